@@ -1,0 +1,296 @@
+"""The coordinator process: read `saga:events` in a consumer group, fold, commit, dispatch, ack.
+
+One batch flows through in a fixed order so that a crash at any point loses nothing and doubles
+nothing: decode -> load views -> fold events (pure) -> commit (CAS Lua per workflow) -> enqueue
+jobs (unique ids) -> follow-ups, dead letters and XACK in one pipeline. A batch that is
+redelivered after a crash folds to no change, and its workflows' queued jobs are re-ensured.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from redis import Redis
+from redis.exceptions import ResponseError
+
+from saga.config import Config
+from saga.keys import Keys
+from saga.logs import get_logger
+from schemas.events import Event, InvalidEvent, StepCompleted, decode_entry
+from workers.queue import enqueue, queue_for
+
+from .machine import Machine, Rejected, WorkflowView
+from .store import Store
+
+log = get_logger("coordinator")
+
+Entry = tuple[bytes, dict[bytes, bytes]]
+MAX_CONFLICT_RETRIES = 20
+
+
+@dataclass
+class BatchResult:
+    events: int = 0
+    dead: int = 0
+    jobs: int = 0
+    conflicts: int = 0
+    statuses: dict[str, str] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(self, redis: Redis, config: Config, name: str | None = None) -> None:
+        self.redis = redis
+        self.config = config
+        self.settings = config.coordinator
+        self.keys = Keys(config.prefix)
+        self.machine = Machine(config, prefix=config.prefix)
+        self.store = Store(redis, self.keys, self.settings)
+        self.queue = queue_for(redis, self.keys.queue)
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.stopping = False
+        self._next_claim = 0.0
+        self._next_watch = 0.0
+        self._next_housekeeping = time.monotonic() + 10
+
+    # Process lifetime ---------------------------------------------------------------------
+
+    def ensure_group(self) -> None:
+        """Create the group from the stream's start, so events published before any coordinator count."""
+        try:
+            self.redis.xgroup_create(self.keys.events, self.keys.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        self.ensure_group()
+        log.info("coordinator started", consumer=self.name, stream=self.keys.events, group=self.keys.group)
+        # Our own pending entries first (a restart under the same name), then new ones.
+        self.process(self._read("0"), redelivered=True)
+        while not self.stopping:
+            self.step()
+        log.info("coordinator stopped", consumer=self.name)
+        return 0
+
+    def step(self) -> BatchResult:
+        """One turn of the loop: a claim or a read, then the watchdog and housekeeping when due."""
+        now = time.monotonic()
+        if now >= self._next_claim:
+            self._next_claim = now + self.settings.claim_idle_ms / 2000
+            claimed = self._claim()
+            if claimed:
+                return self.process(claimed, redelivered=True)
+        result = self.process(self._read(">"), redelivered=False)
+        if now >= self._next_watch:
+            self._next_watch = now + self.settings.watchdog_every
+            self.watch()
+        if now >= self._next_housekeeping:
+            self._next_housekeeping = now + 10
+            self.housekeeping()
+        return result
+
+    def _read(self, start: str) -> list[Entry]:
+        block = None if start == "0" else self.settings.block_ms
+        reply = self.redis.xreadgroup(
+            self.keys.group, self.name, {self.keys.events: start}, count=self.settings.batch, block=block
+        )
+        return [(i, f) for _, entries in reply for i, f in entries if f is not None] if reply else []
+
+    def _claim(self) -> list[Entry]:
+        """Take over entries another coordinator read but never acknowledged (it died)."""
+        reply = self.redis.xautoclaim(
+            self.keys.events,
+            self.keys.group,
+            self.name,
+            min_idle_time=self.settings.claim_idle_ms,
+            start_id="0-0",
+            count=self.settings.batch,
+        )
+        entries = [(i, f) for i, f in reply[1] if f]
+        if entries:
+            log.warning("claimed pending events of a silent coordinator", count=len(entries))
+        return entries
+
+    # The batch ------------------------------------------------------------------------------
+
+    def process(self, entries: list[Entry], *, redelivered: bool) -> BatchResult:
+        result = BatchResult(events=len(entries))
+        if not entries:
+            return result
+        now = time.time()
+        dead: list[tuple[bytes, dict[bytes, bytes], str]] = []
+        groups: dict[str, list[tuple[Event, dict[bytes, bytes]]]] = defaultdict(list)
+        for entry_id, fields in entries:
+            try:
+                event = decode_entry(entry_id.decode(), fields)
+            except InvalidEvent as exc:
+                dead.append((entry_id, fields, str(exc)))
+                continue
+            groups[event.workflow].append((event, fields))
+
+        committed: list[WorkflowView] = []
+        pending = dict(groups)
+        for _ in range(MAX_CONFLICT_RETRIES):
+            if not pending:
+                break
+            views = self._load(pending)
+            rejected: dict[str, list[tuple[bytes, dict[bytes, bytes], str]]] = defaultdict(list)
+            for workflow, items in pending.items():
+                view = views[workflow]
+                for event, fields in items:
+                    try:
+                        self.machine.apply(view, event, now)
+                    except Rejected as exc:
+                        rejected[workflow].append((event.id.encode(), fields, str(exc)))
+            dirty = [v for v in views.values() if v.dirty]
+            outcomes = self.store.commit(dirty) if dirty else []
+            retry = {v.workflow for v, ok in zip(dirty, outcomes, strict=True) if not ok}
+            result.conflicts += len(retry)
+            for workflow, view in views.items():
+                if workflow in retry:
+                    continue
+                dead.extend(rejected.get(workflow, ()))
+                committed.append(view)
+            pending = {w: pending[w] for w in retry}
+        if pending:  # pathological contention: leave these unacknowledged, they come back
+            log.error("gave up on contended workflows this batch", workflows=sorted(pending))
+
+        result.jobs = self._dispatch(committed, ensure=redelivered)
+        unacked = {e.id for items in pending.values() for e, _ in items}
+        ack = [i for i, _ in entries if i.decode() not in unacked]
+        self.store.follow_up(
+            committed,
+            {v.workflow: self.machine.next_deadline(v) for v in committed if v.full},
+            [self._dead_letters(dead), self._ack(ack)],
+        )
+        result.dead = len(dead)
+        for view in committed:
+            result.statuses[view.workflow] = view.state.status
+            if view.state.status != view.loaded_status and view.loaded_status is not None:
+                log.info(
+                    "workflow status", workflow=view.workflow, status=view.state.status, attention=view.state.attention
+                )
+        for entry_id, _, reason in dead:
+            log.warning("dead-lettered an event", id=entry_id.decode(), reason=reason)
+        return result
+
+    def _load(self, groups: dict[str, list[tuple[Event, dict[bytes, bytes]]]]) -> dict[str, WorkflowView]:
+        wanted = {}
+        for workflow, items in groups.items():
+            events = [e for e, _ in items]
+            steps = [e.data.step for e in events if isinstance(e.data, StepCompleted)]
+            wanted[workflow] = (self.machine.needs_full(events), steps)
+        views = self.store.load(wanted)
+        again = {w: (True, ()) for w, v in views.items() if not v.full and self.machine.needs_full([], v.state)}
+        if again:
+            views.update(self.store.load(again))
+        return views
+
+    def _dispatch(self, views: list[WorkflowView], *, ensure: bool) -> int:
+        jobs = [job for view in views for job in view.jobs]
+        if ensure:  # a redelivered batch: its first run may have committed but not enqueued
+            known = {(j.workflow, j.step, j.dispatch) for j in jobs}
+            for view in views:
+                for comp in view.comps.values():
+                    if comp.status == "queued" and (view.workflow, comp.step, comp.dispatch) not in known:
+                        jobs.append(self.machine.job_for(view.workflow, comp))
+        queued = 0
+        for job in jobs:
+            if enqueue(self.queue, job, self.config.worker):
+                queued += 1
+                log.info(
+                    "dispatched compensation",
+                    workflow=job.workflow,
+                    step=job.step,
+                    server=job.server,
+                    operation=job.operation_id,
+                    dispatch=job.dispatch,
+                )
+        return queued
+
+    def _dead_letters(self, dead: list[tuple[bytes, dict[bytes, bytes], str]]) -> Callable:
+        def add(pipe) -> None:  # type: ignore[no-untyped-def]
+            for entry_id, fields, reason in dead:
+                # Original fields kept under their own names; ours prefixed so they never collide.
+                record = {b"dead.reason": reason.encode(), b"dead.id": entry_id, b"dead.at": f"{time.time():.3f}"}
+                record.update({k: v for k, v in fields.items() if not k.startswith(b"dead.")})
+                pipe.xadd(self.keys.dead_letter, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
+
+        return add
+
+    def _ack(self, ids: list[bytes]) -> Callable:
+        def ack(pipe) -> None:  # type: ignore[no-untyped-def]
+            if ids:
+                pipe.xack(self.keys.events, self.keys.group, *ids)
+
+        return ack
+
+    # Watchdog and housekeeping ------------------------------------------------------------
+
+    def watch(self) -> int:
+        """Look at workflows whose barrier or dispatch deadline passed."""
+        now = time.time()
+        due = self.store.due(now)
+        if not due:
+            return 0
+        views = self.store.load({w: (True, ()) for w in due})
+        live = []
+        for workflow, view in views.items():
+            if not view.state.version:
+                self.redis.zrem(self.keys.deadlines, workflow)
+                continue
+            self.machine.tick(view, now)
+            live.append(view)
+        dirty = [v for v in live if v.dirty]
+        oks = self.store.commit(dirty) if dirty else []
+        lost = {v.workflow for v, ok in zip(dirty, oks, strict=True) if not ok}
+        committed = [v for v in live if v.workflow not in lost]
+        self._dispatch(committed, ensure=False)
+        self.store.follow_up(committed, {v.workflow: self.machine.next_deadline(v) for v in committed}, [])
+        return len(committed)
+
+    def housekeeping(self) -> None:
+        removed = self.store.collect_garbage()
+        trimmed = self.trim_events()
+        if removed or trimmed:
+            log.info("housekeeping", index_entries_removed=removed, events_trimmed=trimmed)
+
+    def trim_events(self) -> int:
+        """Trim `saga:events` below the oldest entry some consumer group still needs."""
+        try:
+            groups = self.redis.xinfo_groups(self.keys.events)
+        except ResponseError:
+            return 0
+        floor: list[str] = []
+        for group in groups:
+            name = group["name"]
+            if group["pending"]:
+                oldest = self.redis.xpending(self.keys.events, name)["min"]
+                floor.append(oldest.decode() if isinstance(oldest, bytes) else oldest)
+            else:
+                last = group["last-delivered-id"]
+                floor.append(_next_id(last.decode() if isinstance(last, bytes) else last))
+        if not floor:
+            return 0
+        return self.redis.xtrim(self.keys.events, minid=min(floor, key=_id_key), approximate=False)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _next_id(entry_id: str) -> str:
+    ms, seq = _id_key(entry_id)
+    return f"{ms}-{seq + 1}"

@@ -1,0 +1,406 @@
+"""The per-workflow state machine: events in, a set of writes and jobs out. Pure: no Redis here.
+
+`WorkflowView` is what the store loaded for one workflow; `apply` folds one event into it and
+records what must be written (state fields, new or changed compensation records, steps to push,
+timeline entries), what must be announced (outcomes) and which jobs must be dispatched. The
+store then commits all of it with one compare-and-set Lua script, so several coordinators can
+handle events of the same workflow without ever interleaving two transitions.
+
+Every transition is idempotent under redelivery: a step id already recorded, a failure already
+known, a report already counted change nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from saga.config import Config
+from schemas.events import (
+    CompensationFailed,
+    CompensationRefused,
+    CompensationSucceeded,
+    Event,
+    OperatorApprove,
+    OperatorCommand,
+    OperatorResolve,
+    OperatorRetry,
+    OperatorSkip,
+    Report,
+    StepCompleted,
+    WorkflowCompleted,
+    WorkflowFailed,
+)
+from schemas.records import IN_FLIGHT, SETTLED, UNWINDING, Compensation, CompensationJob, WorkflowState
+
+from .planner import plan_step
+
+
+class Rejected(Exception):
+    """An event that is well-formed but makes no sense for this workflow: dead-letter it."""
+
+
+@dataclass
+class WorkflowView:
+    workflow: str
+    state: WorkflowState
+    comps: dict[str, Compensation]
+    # Whether `comps` holds every record (else only those the batch's step events named).
+    full: bool
+    new_steps: list[bytes] = field(default_factory=list)
+    changed: dict[str, Compensation] = field(default_factory=dict)
+    log: list[dict[str, str]] = field(default_factory=list)
+    outcomes: list[dict[str, str]] = field(default_factory=list)
+    jobs: list[CompensationJob] = field(default_factory=list)
+    loaded_version: int = 0
+    loaded_status: str | None = None
+    # Bumped by every recorded change, so a transition can tell whether an event changed anything.
+    changes: int = 0
+
+    def __post_init__(self) -> None:
+        self.loaded_version = self.state.version
+        self.loaded_status = self.state.status if self.state.version else None
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.new_steps or self.changed or self.log or self.state.version != self.loaded_version)
+
+    def note(self, kind: str, now: float, step: str | None = None, **detail: object) -> None:
+        entry = {"type": kind, "at": f"{now:.6f}"}
+        if step is not None:
+            entry["step"] = step
+        entry.update({k: str(v) for k, v in detail.items() if v is not None and v != ""})
+        self.log.append(entry)
+        self.changes += 1
+
+    def put(self, comp: Compensation, now: float) -> None:
+        comp.updated_at = now
+        self.comps[comp.step] = comp
+        self.changed[comp.step] = comp
+        self.changes += 1
+
+
+class Machine:
+    def __init__(self, config: Config, prefix: str = "saga") -> None:
+        self.config = config
+        self.settings = config.coordinator
+        self.prefix = prefix
+
+    @staticmethod
+    def needs_full(events: list[Event], state: WorkflowState | None = None) -> bool:
+        """Only step events of a running (or new) workflow can be folded without every record loaded."""
+        if state is not None and state.version and state.status != "running":
+            return True
+        return any(not isinstance(e.data, StepCompleted | WorkflowCompleted) for e in events)
+
+    def apply(self, view: WorkflowView, event: Event, now: float) -> None:
+        """Fold one event into the view; raises Rejected for an event to dead-letter."""
+        data = event.data
+        before = view.state.status if view.state.version else None
+        snapshot = (view.changes, msgspec.structs.asdict(view.state))
+        if not view.state.version:
+            if isinstance(data, Report | OperatorCommand):
+                raise Rejected(f"{event.type} for unknown workflow {view.workflow!r}")
+            view.state = WorkflowState(status="running", created_at=now)
+        match data:
+            case StepCompleted():
+                self._step(view, event, data, now)
+            case WorkflowFailed():
+                self._failed(view, data, now)
+            case WorkflowCompleted():
+                self._completed(view, now)
+            case CompensationSucceeded() | CompensationFailed() | CompensationRefused():
+                self._report(view, data, now)
+            case OperatorCommand():
+                self._operator(view, event.type, data, now)
+        self.advance(view, now)
+        if before is None or snapshot != (view.changes, msgspec.structs.asdict(view.state)):
+            self._touch(view, before, now)
+
+    def tick(self, view: WorkflowView, now: float) -> None:
+        """The watchdog's look at a workflow: an expired barrier, a dispatch nobody reported on."""
+        state = view.state
+        before, changes = state.status, view.changes
+        if state.status == "failed" and state.barrier_deadline and now >= state.barrier_deadline:
+            state.barrier_expired = True
+            view.note(
+                "barrier-expired",
+                now,
+                detail=f"{state.expected_steps - state.steps} announced step(s) never arrived; unwinding the rest",
+            )
+            self._unwind(view, now)
+        for comp in view.comps.values():
+            if comp.status in IN_FLIGHT and now - comp.queued_at >= self.settings.watchdog_after:
+                view.note(
+                    "watchdog-redispatch",
+                    now,
+                    comp.step,
+                    detail=f"no report for {now - comp.queued_at:.0f}s after dispatch {comp.dispatch}",
+                    key=comp.idempotency_key,
+                )
+                self._dispatch(view, comp, now)
+        self.advance(view, now)
+        if view.changes != changes or view.state.status != before:
+            self._touch(view, before, now)
+
+    def next_deadline(self, view: WorkflowView) -> float | None:
+        """When the watchdog must look at this workflow again (None: nothing to watch)."""
+        state = view.state
+        if state.status == "failed" and state.barrier_deadline:
+            return state.barrier_deadline
+        queued = [c.queued_at for c in view.comps.values() if c.status in IN_FLIGHT]
+        return min(queued) + self.settings.watchdog_after if queued else None
+
+    # Transitions -------------------------------------------------------------------------
+
+    def _step(self, view: WorkflowView, event: Event, data: StepCompleted, now: float) -> None:
+        if data.step in view.comps:
+            return  # a redelivery, or the orchestrator published twice
+        state = view.state
+        if state.status == "completed":
+            raise Rejected(f"step {data.step!r} arrived after the workflow completed")
+        late = state.status in UNWINDING
+        plan = plan_step(view.workflow, data, state.steps, self.config.overlay(data.server, data.tool), now)
+        comp = plan.compensation
+        comp.late = late
+        view.put(comp, now)
+        view.new_steps.append(event.raw)
+        state.steps += 1
+        view.note(
+            "late-step" if late else "step-completed",
+            now,
+            data.step,
+            server=data.server,
+            tool=data.tool,
+            plan=comp.status,
+            operation=comp.operation_id,
+            source=comp.source,
+            reason=comp.reason,
+        )
+        for note in plan.notes:
+            view.note("overlay-override", now, data.step, detail=note)
+        if late and state.status in ("compensated", "needs-attention"):
+            state.status = "compensating"
+        if state.status == "failed" and state.steps >= state.expected_steps:
+            self._unwind(view, now)
+
+    def _failed(self, view: WorkflowView, data: WorkflowFailed, now: float) -> None:
+        state = view.state
+        if state.status in UNWINDING:
+            return
+        if state.status == "completed":
+            raise Rejected("workflow-failed after the workflow completed")
+        state.reason = data.reason
+        state.failed_tool = (data.failed_step.tool or "") if data.failed_step else ""
+        state.parallel = self.settings.parallel if data.parallel is None else data.parallel
+        state.on_failure = data.on_failure or self.settings.on_failure
+        state.expected_steps = data.steps_completed or 0
+        error = data.failed_step.error if data.failed_step else None
+        view.note("workflow-failed", now, reason=data.reason, tool=state.failed_tool, error=error)
+        if state.expected_steps > state.steps:
+            state.status = "failed"
+            state.barrier_deadline = now + self.settings.barrier_grace
+            view.note(
+                "barrier-wait",
+                now,
+                detail=f"waiting up to {self.settings.barrier_grace:g}s for "
+                f"{state.expected_steps - state.steps} more step(s)",
+            )
+            if self.settings.barrier_grace == 0:
+                self.tick(view, now)
+        else:
+            self._unwind(view, now)
+
+    def _unwind(self, view: WorkflowView, now: float) -> None:
+        view.state.status = "compensating"
+        view.state.barrier_deadline = 0.0
+
+    def _completed(self, view: WorkflowView, now: float) -> None:
+        state = view.state
+        if state.status == "completed":
+            return
+        if state.status != "running":
+            raise Rejected(f"workflow-completed for a workflow that is {state.status}")
+        state.status = "completed"
+        view.note("workflow-completed", now)
+
+    def _report(self, view: WorkflowView, data: Report, now: float) -> None:
+        comp = view.comps.get(data.step)
+        if comp is None:
+            raise Rejected(f"report for step {data.step!r}, which has no compensation record")
+        detail = dict(
+            server=data.server,
+            operation=data.operation_id,
+            key=data.idempotency_key,
+            digest=data.arguments_digest,
+            attempt=data.attempt,
+            dispatch=data.dispatch,
+            duration_ms=None if data.duration_ms is None else f"{data.duration_ms:.1f}",
+            worker=data.worker,
+        )
+        if comp.status in SETTLED:
+            return  # a redelivery, or a superseded dispatch reporting late: the first word stands
+        if isinstance(data, CompensationSucceeded):
+            comp.status = "succeeded"
+            comp.attempts += 1
+            comp.last_error = None
+            view.put(comp, now)
+            view.note("compensation-succeeded", now, data.step, **detail)
+            self._outcome(view, "compensation-succeeded", now, comp.step)
+            return
+        # Failures and refusals only count for the current dispatch, once per attempt.
+        if data.dispatch != comp.dispatch or data.attempt <= comp.attempt:
+            return
+        comp.attempt = data.attempt
+        comp.attempts += 1
+        if isinstance(data, CompensationRefused):
+            comp.status = data.status
+            comp.reason = data.reason
+            view.note("compensation-refused", now, data.step, status=data.status, reason=data.reason, **detail)
+            self._outcome(view, "compensation-refused", now, comp.step, data.status, data.reason)
+        elif isinstance(data, CompensationFailed):
+            comp.last_error = data.error
+            if data.final:
+                comp.status = "failed"
+                self._outcome(view, "compensation-failed", now, comp.step, "failed", data.error)
+            else:
+                comp.status = "running"
+            view.note(
+                "compensation-failed" if data.final else "compensation-attempt-failed",
+                now,
+                data.step,
+                error=data.error,
+                retryable=data.retryable,
+                **detail,
+            )
+        view.put(comp, now)
+
+    def _operator(self, view: WorkflowView, kind: str, data: OperatorCommand, now: float) -> None:
+        state = view.state
+        if state.status not in UNWINDING:
+            raise Rejected(f"{kind}: workflow is {state.status}; only a failed workflow can be acted on")
+        if data.step is not None and data.step not in view.comps:
+            raise Rejected(f"{kind}: workflow has no step {data.step!r}")
+        targets = [view.comps[data.step]] if data.step else list(view.comps.values())
+        touched = []
+        for comp in targets:
+            if isinstance(data, OperatorRetry) and comp.status in ("failed", "awaiting-approval", "unrecoverable"):
+                if comp.operation_id is None or comp.arguments is None:
+                    if data.step:
+                        raise Rejected(f"{kind}: step {comp.step!r} has no usable compensation to retry")
+                    continue
+                comp.status, comp.reason, comp.last_error = "pending", None, None
+            elif isinstance(data, OperatorResolve) and comp.status not in ("succeeded", "resolved"):
+                comp.status = "resolved"
+            elif isinstance(data, OperatorSkip) and comp.status not in ("succeeded", "resolved", "skipped"):
+                comp.status = "skipped"
+            elif isinstance(data, OperatorApprove) and not comp.approved and comp.operation_id:
+                comp.approved = True
+                if comp.status == "awaiting-approval":
+                    comp.status = "pending"
+            else:
+                continue
+            comp.reason = data.note or comp.reason
+            view.put(comp, now)
+            touched.append(comp.step)
+        if data.step and not touched:
+            return  # already in the state the operator asked for: a repeated command
+        view.note(kind, now, data.step, by=data.by, note=data.note, steps=",".join(touched))
+        if touched and state.status in ("compensated", "needs-attention"):
+            state.status = "compensating"
+
+    # Unwinding ---------------------------------------------------------------------------
+
+    def advance(self, view: WorkflowView, now: float) -> None:
+        """Dispatch what may run next, then settle the workflow's status from its records."""
+        state = view.state
+        if state.status not in ("compensating", "needs-attention"):
+            return
+        lifo = sorted(view.comps.values(), key=lambda c: c.seq, reverse=True)
+        if state.parallel:
+            for comp in lifo:
+                if comp.status == "pending":
+                    self._dispatch(view, comp, now)
+        else:
+            for comp in lifo:
+                if comp.status in SETTLED:
+                    continue
+                if comp.status in IN_FLIGHT:
+                    break
+                if comp.status == "pending":
+                    self._dispatch(view, comp, now)
+                    break
+                if state.on_failure == "halt":  # failed or awaiting approval blocks what lies below
+                    break
+        problems = [
+            f"step {c.step}: {c.status}" + (f" ({c.last_error or c.reason})" if c.last_error or c.reason else "")
+            for c in lifo
+            if c.status in ("failed", "awaiting-approval", "unrecoverable")
+        ]
+        missing = state.expected_steps - state.steps if state.barrier_expired else 0
+        if missing > 0:
+            problems.insert(0, f"{missing} step(s) the orchestrator announced were never recorded")
+        state.attention = "; ".join(problems)[:2000]
+        statuses = {c.status for c in view.comps.values()}
+        if statuses & IN_FLIGHT:
+            state.status = "compensating"
+        elif problems or "pending" in statuses:  # pending with nothing in flight: the unwind halted
+            state.status = "needs-attention"
+        else:
+            state.status = "compensated"
+
+    def _dispatch(self, view: WorkflowView, comp: Compensation, now: float) -> None:
+        assert comp.operation_id and comp.idempotency_key and comp.arguments is not None
+        comp.status = "queued"
+        comp.dispatch += 1
+        comp.attempt = 0
+        comp.queued_at = now
+        view.put(comp, now)
+        view.jobs.append(self.job_for(view.workflow, comp))
+        view.note(
+            "compensation-dispatched",
+            now,
+            comp.step,
+            server=comp.server,
+            operation=comp.operation_id,
+            key=comp.idempotency_key,
+            dispatch=comp.dispatch,
+            late="yes" if comp.late else None,
+        )
+
+    def job_for(self, workflow: str, comp: Compensation) -> CompensationJob:
+        assert comp.operation_id and comp.idempotency_key and comp.arguments is not None
+        return CompensationJob(
+            workflow=workflow,
+            step=comp.step,
+            server=comp.server,
+            tool=comp.tool,
+            operation_id=comp.operation_id,
+            arguments=comp.arguments,
+            idempotency_key=comp.idempotency_key,
+            dispatch=comp.dispatch,
+            source=comp.source or "server",
+            approved=comp.approved,
+            prefix=self.prefix,
+        )
+
+    def _touch(self, view: WorkflowView, before: str | None, now: float) -> None:
+        state = view.state
+        state.version += 1
+        state.updated_at = now
+        if state.status != before and state.status in ("compensated", "needs-attention", "completed"):
+            view.note("status", now, status=state.status, attention=state.attention)
+            self._outcome(view, f"workflow-{state.status}", now, None, state.status, state.attention or state.reason)
+
+    def _outcome(
+        self, view: WorkflowView, kind: str, now: float, step: str | None, status: str = "", reason: str = ""
+    ) -> None:
+        entry = {"type": kind, "workflow": view.workflow, "at": f"{now:.6f}"}
+        if step:
+            entry["step"] = step
+        if status:
+            entry["status"] = status
+        if reason:
+            entry["reason"] = reason[:2000]
+        view.outcomes.append(entry)

@@ -1,0 +1,97 @@
+"""`saga`: one console command for every process and every operator action."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from saga.config import Config, ConfigError, load_config
+from saga.logs import configure
+
+Command = Callable[[argparse.Namespace], int]
+
+
+class CliError(Exception):
+    """A one-line message for the user; the command exits non-zero."""
+
+
+def redis_url(args: argparse.Namespace) -> str:
+    url = getattr(args, "redis", None) or os.environ.get("REDIS_URL")
+    if not url:
+        raise CliError("no Redis: pass --redis URL or set REDIS_URL")
+    return url
+
+
+def config_of(args: argparse.Namespace) -> Config:
+    return load_config(getattr(args, "config", None))
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    import redis
+
+    from coordinator.consumer import Coordinator
+
+    config = config_of(args)
+    return Coordinator(redis.Redis.from_url(redis_url(args)), config, name=args.name).run()
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from workers.process import run_worker
+
+    config = config_of(args)
+    if not config.servers:
+        raise CliError("a worker needs a config naming the MCP servers it may call (--config FILE or SAGA_CONFIG)")
+    return run_worker(redis_url(args), config, name=args.name, burst=args.burst)
+
+
+def common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis", help="Redis URL (default: $REDIS_URL)")
+    parser.add_argument("--config", help="TOML config file (default: $SAGA_CONFIG)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="saga", description="Saga coordinator for MCP tool calls (SEP-3172).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("coordinator", help="consume saga:events, keep workflow state, dispatch compensations")
+    common(p)
+    p.add_argument("--name", help="consumer name in the group (default: host-pid)")
+    p.set_defaults(run=cmd_coordinator)
+
+    p = sub.add_parser("worker", help="perform compensations from the RQ queue over MCP")
+    common(p)
+    p.add_argument("--name", help="worker name (default: RQ's)")
+    p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    p.set_defaults(run=cmd_worker)
+
+    for register in _extensions():
+        register(sub, common)
+    return parser
+
+
+def _extensions() -> list[Callable[..., None]]:
+    """Subcommands defined next to the code they drive (ops, demo)."""
+    registered = []
+    for module in ("saga.ops", "saga.demo"):
+        try:
+            registered.append(__import__(module, fromlist=["register"]).register)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    return registered
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure()
+    try:
+        return args.run(args)
+    except (CliError, ConfigError) as exc:
+        print(f"saga {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

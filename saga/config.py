@@ -1,0 +1,167 @@
+"""The one TOML file: which MCP servers workers may call, the trust policy, and tunables.
+
+Validation happens once at start-up; a mistake stops the process with a message naming the
+field (`servers.payments.url: ...`), never later in the middle of an unwind.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from schemas.recovery import Recovery, RecoveryError, parse_recovery
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, phrased for the operator: file, field, what is wrong."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    """One MCP server: streamable HTTP (`url`) or stdio (`command`)."""
+
+    url: str | None = None
+    # Header name -> name of the environment variable holding its value (secrets stay out of files).
+    headers_from_env: dict[str, str] = Field(default_factory=dict)
+    command: list[str] | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    timeout: float = Field(default=30.0, gt=0)
+    # Operator-declared recovery for tools whose server does not declare SEP-3172 (tool -> recovery).
+    recovery: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> ServerConfig:
+        if (self.url is None) == (self.command is None):
+            raise ValueError("set exactly one of `url` (streamable HTTP) or `command` (stdio)")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url {self.url!r} must start with http:// or https://")
+        if self.command is not None and not self.command:
+            raise ValueError("command must not be empty")
+        return self
+
+    def headers(self) -> dict[str, str]:
+        """Resolve header values from the environment; a missing variable is a config error."""
+        resolved = {}
+        for header, variable in self.headers_from_env.items():
+            value = os.environ.get(variable)
+            if value is None:
+                raise ConfigError(f"header {header!r} reads environment variable {variable!r}, which is not set")
+            resolved[header] = value
+        return resolved
+
+
+Decision = Literal["auto", "approval", "deny"]
+
+
+class Policy(_Strict):
+    """Which (server, operation) compensations run unattended: patterns over `server:operation`.
+
+    Precedence is deny, then approval, then auto; a pair no pattern names waits for approval,
+    because a compensation nobody allowed is not one to run unattended.
+    """
+
+    auto: list[str] = Field(default_factory=lambda: ["*"])
+    approval: list[str] = Field(default_factory=list)
+    deny: list[str] = Field(default_factory=list)
+
+    def decide(self, server: str, operation: str) -> Decision:
+        target = f"{server}:{operation}"
+        for decision, patterns in (("deny", self.deny), ("approval", self.approval), ("auto", self.auto)):
+            if any(fnmatch.fnmatchcase(target, p) for p in patterns):
+                return decision  # type: ignore[return-value]
+        return "approval"
+
+
+class CoordinatorSettings(_Strict):
+    batch: int = Field(default=100, ge=1, le=10_000)
+    block_ms: int = Field(default=1000, ge=1)
+    claim_idle_ms: int = Field(default=30_000, ge=100)
+    # Seconds a dispatched compensation may go without a report before it is dispatched again.
+    watchdog_after: float = Field(default=120.0, gt=0)
+    watchdog_every: float = Field(default=1.0, gt=0)
+    barrier_grace: float = Field(default=30.0, ge=0, description="seconds to wait for missing steps")
+    parallel: bool = False
+    on_failure: Literal["halt", "continue"] = "halt"
+    retention_completed: int = Field(default=86_400, ge=1)
+    retention_compensated: int = Field(default=7 * 86_400, ge=1)
+    retention_attention: int = Field(default=30 * 86_400, ge=1)
+    idle_ttl: int = Field(default=7 * 86_400, ge=1)
+    outcomes_maxlen: int = Field(default=100_000, ge=100)
+    dead_letter_maxlen: int = Field(default=100_000, ge=100)
+
+
+class WorkerSettings(_Strict):
+    attempts: int = Field(default=5, ge=1, le=100)
+    backoff_base: float = Field(default=1.0, ge=0)
+    backoff_max: float = Field(default=60.0, ge=0)
+    jitter: float = Field(default=0.5, ge=0, le=1)
+    lease: float = Field(default=60.0, gt=0)
+    tools_ttl: float = Field(default=30.0, ge=0, description="seconds a server's tools/list is cached")
+    job_timeout: int = Field(default=300, ge=1)
+
+
+class Config(_Strict):
+    prefix: str = Field(default="saga", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
+    servers: dict[str, ServerConfig] = Field(default_factory=dict)
+    policy: Policy = Field(default_factory=Policy)
+    coordinator: CoordinatorSettings = Field(default_factory=CoordinatorSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+
+    @field_validator("servers")
+    @classmethod
+    def _server_names(cls, servers: dict[str, ServerConfig]) -> dict[str, ServerConfig]:
+        for name, server in servers.items():
+            if not name.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"server name {name!r} may hold only letters, digits, '-' and '_'")
+            for tool, declaration in server.recovery.items():
+                try:
+                    parse_recovery(declaration, where=f"servers.{name}.recovery.{tool}")
+                except RecoveryError as exc:
+                    raise ValueError(str(exc)) from None
+        return servers
+
+    def overlay(self, server: str, tool: str) -> Recovery | None:
+        """The operator's recovery declaration for a tool, if any."""
+        entry = self.servers.get(server)
+        if entry is None or tool not in entry.recovery:
+            return None
+        return parse_recovery(entry.recovery[tool])
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Load `path`, else `$SAGA_CONFIG`, else the defaults (no servers: a coordinator needs none)."""
+    path = path or os.environ.get("SAGA_CONFIG")
+    if not path:
+        return Config()
+    source = Path(path)
+    try:
+        data = tomllib.loads(source.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    return parse_config(data, source=str(source))
+
+
+def parse_config(data: dict[str, Any], *, source: str = "config") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            message = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                message = "unknown field"
+            # Overlay errors already carry their full path (servers.git.recovery.git_add....).
+            lines.append(f"{source}: {message}" if message.startswith(f"{where}.") else f"{source}: {where}: {message}")
+        raise ConfigError("\n".join(lines)) from None

@@ -1,0 +1,73 @@
+"""Every Redis key name mcp-saga reads or writes, built in one place.
+
+Per-workflow keys carry the workflow id in a hash tag (`saga:{order-42}:state`) so that one
+workflow lives in one Redis Cluster slot and a Lua script can declare all the keys it touches.
+Global keys (streams, indexes) never share a script with per-workflow keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STATUSES = ("running", "failed", "compensating", "compensated", "needs-attention", "completed")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = "saga"
+
+    # Global streams and indexes.
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}:events"
+
+    @property
+    def dead_letter(self) -> str:
+        return f"{self.prefix}:dead-letter"
+
+    @property
+    def outcomes(self) -> str:
+        return f"{self.prefix}:outcomes"
+
+    def index(self, status: str) -> str:
+        """Sorted set of workflow ids in one status, scored by the time they entered it."""
+        return f"{self.prefix}:index:{status}"
+
+    @property
+    def deadlines(self) -> str:
+        """Sorted set of workflow ids scored by when the watchdog must look at them next."""
+        return f"{self.prefix}:deadlines"
+
+    @property
+    def group(self) -> str:
+        """The consumer group every coordinator joins on the events stream."""
+        return "coordinators"
+
+    @property
+    def queue(self) -> str:
+        """The RQ queue name (RQ prefixes it with `rq:queue:` itself)."""
+        return self.prefix
+
+    # Per-workflow keys.
+    def state(self, workflow: str) -> str:
+        return f"{self.prefix}:{{{workflow}}}:state"
+
+    def steps(self, workflow: str) -> str:
+        return f"{self.prefix}:{{{workflow}}}:steps"
+
+    def comp(self, workflow: str) -> str:
+        return f"{self.prefix}:{{{workflow}}}:comp"
+
+    def log(self, workflow: str) -> str:
+        return f"{self.prefix}:{{{workflow}}}:log"
+
+    def lease(self, workflow: str, step: str) -> str:
+        """A worker's short claim on one compensation, so two workers never run it at once."""
+        return f"{self.prefix}:{{{workflow}}}:lease:{step}"
+
+    def workflow_keys(self, workflow: str) -> tuple[str, str, str, str]:
+        """The keys a transition script declares, in the order the scripts expect them."""
+        return self.state(workflow), self.steps(workflow), self.comp(workflow), self.log(workflow)
+
+    def workflow_pattern(self) -> str:
+        return f"{self.prefix}:{{*}}:*"

@@ -1,0 +1,219 @@
+"""The wire contract of `saga:events`: one msgspec Struct per event type.
+
+Publishers in any language write plain stream entries with the fields `type`, `workflow`, `data`
+(a JSON object) and optionally `v`. `decode_entry` is the single gate through which an entry
+becomes a typed event; anything it rejects goes to the dead-letter stream with the reason it
+returns, so its messages are written for the operator who will read them there.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+WIRE_VERSION = 1
+# A documented cap: an entry's `data` larger than this is dead-lettered, which keeps one hostile
+# publisher from making the coordinator hold megabytes per step.
+MAX_DATA_BYTES = 256 * 1024
+
+WORKFLOW_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$"
+STEP_ID = r"^[A-Za-z0-9._:-]{1,64}$"
+_WORKFLOW_RE = re.compile(WORKFLOW_ID)
+
+StepId = Annotated[str, Meta(pattern=STEP_ID)]
+Name = Annotated[str, Meta(min_length=1, max_length=128)]
+Text = Annotated[str, Meta(max_length=8192)]
+
+
+class Wire(Struct, rename="camel", omit_defaults=True, forbid_unknown_fields=False, frozen=True):
+    """Base of every event payload: camelCase on the wire, unknown fields tolerated (forward compat)."""
+
+
+class FailedStep(Wire):
+    tool: str | None = None
+    error: Text | None = None
+
+
+class StepCompleted(Wire):
+    TYPE: ClassVar[str] = "step-completed"
+    step: StepId
+    server: Name
+    tool: Name
+    result: dict[str, Any]
+    arguments: dict[str, Any] = field(default_factory=dict)
+    recovery: dict[str, Any] | None = None
+    annotations: dict[str, Any] | None = None
+    completed_at: str | float | None = None
+
+
+class WorkflowFailed(Wire):
+    TYPE: ClassVar[str] = "workflow-failed"
+    reason: Text = ""
+    failed_step: FailedStep | None = None
+    steps_completed: Annotated[int, Meta(ge=0, le=100_000)] | None = None
+    # Per-workflow overrides of the coordinator's defaults.
+    parallel: bool | None = None
+    on_failure: Literal["halt", "continue"] | None = None
+
+
+class WorkflowCompleted(Wire):
+    TYPE: ClassVar[str] = "workflow-completed"
+    pass
+
+
+class Report(Wire):
+    """What a worker says about one attempt at one compensation."""
+
+    step: StepId
+    dispatch: int = 0
+    attempt: int = 1
+    final: bool = True
+    server: str | None = None
+    operation_id: str | None = None
+    idempotency_key: str | None = None
+    arguments_digest: str | None = None
+    duration_ms: float | None = None
+    worker: str | None = None
+
+
+class CompensationSucceeded(Report):
+    TYPE: ClassVar[str] = "compensation-succeeded"
+    result: dict[str, Any] | None = None
+
+
+class CompensationFailed(Report):
+    TYPE: ClassVar[str] = "compensation-failed"
+    error: Text = ""
+    retryable: bool = False
+
+
+class CompensationRefused(Report):
+    TYPE: ClassVar[str] = "compensation-refused"
+    """The trust checks or the policy stopped the call before it reached the server."""
+
+    status: Literal["awaiting-approval", "unrecoverable"] = "unrecoverable"
+    reason: Text = ""
+
+
+class OperatorCommand(Wire):
+    step: StepId | None = None
+    by: Annotated[str, Meta(max_length=200)] = "operator"
+    note: Text = ""
+
+
+class OperatorRetry(OperatorCommand):
+    TYPE: ClassVar[str] = "operator-retry"
+    pass
+
+
+class OperatorResolve(OperatorCommand):
+    TYPE: ClassVar[str] = "operator-resolve"
+    pass
+
+
+class OperatorSkip(OperatorCommand):
+    TYPE: ClassVar[str] = "operator-skip"
+    pass
+
+
+class OperatorApprove(OperatorCommand):
+    TYPE: ClassVar[str] = "operator-approve"
+    pass
+
+
+Payload = (
+    StepCompleted
+    | WorkflowFailed
+    | WorkflowCompleted
+    | CompensationSucceeded
+    | CompensationFailed
+    | CompensationRefused
+    | OperatorRetry
+    | OperatorResolve
+    | OperatorSkip
+    | OperatorApprove
+)
+PAYLOAD_TYPES: dict[str, type[Payload]] = {
+    cls.TYPE: cls
+    for cls in (
+        StepCompleted,
+        WorkflowFailed,
+        WorkflowCompleted,
+        CompensationSucceeded,
+        CompensationFailed,
+        CompensationRefused,
+        OperatorRetry,
+        OperatorResolve,
+        OperatorSkip,
+        OperatorApprove,
+    )
+}
+_DECODERS = {name: msgspec.json.Decoder(cls) for name, cls in PAYLOAD_TYPES.items()}
+_ENCODER = msgspec.json.Encoder()
+
+
+class Event(Struct, frozen=True):
+    """A decoded entry: `data` is the payload struct, `raw` the payload bytes as published."""
+
+    id: str
+    type: str
+    workflow: str
+    data: Payload
+    raw: bytes
+    v: int = WIRE_VERSION
+
+
+class InvalidEvent(ValueError):
+    """An entry that breaks the wire contract; the message is the dead-letter reason."""
+
+
+def _text(fields: dict[bytes, bytes], name: str) -> str:
+    value = fields.get(name.encode())
+    if value is None:
+        raise InvalidEvent(f"missing field {name!r}")
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        raise InvalidEvent(f"field {name!r} is not valid UTF-8") from None
+
+
+def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
+    """Validate one stream entry against the contract, or say precisely why it does not fit."""
+    kind = _text(fields, "type")
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise InvalidEvent(f"unknown event type {kind[:80]!r}")
+    workflow = _text(fields, "workflow")
+    if not _WORKFLOW_RE.match(workflow):
+        raise InvalidEvent(f"invalid workflow id {workflow[:80]!r} (must match {WORKFLOW_ID})")
+    version = fields.get(b"v", b"1")
+    if version != b"1":
+        raise InvalidEvent(f"unsupported wire version {version[:20]!r} (this coordinator speaks v1)")
+    raw = fields.get(b"data")
+    if raw is None:
+        raise InvalidEvent("missing field 'data'")
+    if len(raw) > MAX_DATA_BYTES:
+        raise InvalidEvent(f"data is {len(raw)} bytes, over the {MAX_DATA_BYTES}-byte cap")
+    try:
+        data = decoder.decode(raw)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise InvalidEvent(f"{kind} data: {exc}") from None
+    return Event(id=entry_id, type=kind, workflow=workflow, data=data, raw=raw)
+
+
+def encode_payload(payload: Payload) -> bytes:
+    return _ENCODER.encode(payload)
+
+
+def entry_fields(workflow: str, payload: Payload) -> dict[str, bytes | str]:
+    """The stream entry for a payload, as any publisher (or `redis-cli XADD`) would write it."""
+    if not _WORKFLOW_RE.match(workflow):
+        raise ValueError(f"invalid workflow id {workflow!r} (must match {WORKFLOW_ID})")
+    return {
+        "type": payload.TYPE,
+        "workflow": workflow,
+        "data": encode_payload(payload),
+    }

@@ -1,0 +1,133 @@
+"""What mcp-saga stores per workflow and what it hands a worker.
+
+`WorkflowState` is the `saga:{wf}:state` hash (flat string fields, so `redis-cli HGETALL` reads
+well); `Compensation` is one value of the `saga:{wf}:comp` hash (JSON); `CompensationJob` is the
+argument of the RQ job. Each is defined once here and used by the coordinator, the workers and
+the CLI alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+
+import msgspec
+from msgspec import Struct
+
+WorkflowStatus = Literal["running", "failed", "compensating", "compensated", "needs-attention", "completed"]
+CompStatus = Literal[
+    "pending",
+    "queued",
+    "running",
+    "succeeded",
+    "failed",
+    "skipped",
+    "unrecoverable",
+    "awaiting-approval",
+    "resolved",
+]
+# A compensation in one of these states needs nothing more from the coordinator.
+SETTLED: frozenset[str] = frozenset({"succeeded", "skipped", "unrecoverable", "resolved"})
+IN_FLIGHT: frozenset[str] = frozenset({"queued", "running"})
+# Workflow statuses after which new step events are late.
+UNWINDING: frozenset[str] = frozenset({"failed", "compensating", "compensated", "needs-attention"})
+
+
+class WorkflowState(Struct, rename="camel", omit_defaults=True):
+    """The state hash. Absent workflow == `WorkflowState(version=0)`."""
+
+    status: WorkflowStatus = "running"
+    version: int = 0
+    steps: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    reason: str = ""
+    failed_tool: str = ""
+    expected_steps: int = 0
+    barrier_deadline: float = 0.0
+    parallel: bool = False
+    on_failure: Literal["halt", "continue"] = "halt"
+    barrier_expired: bool = False
+    attention: str = ""
+
+    def to_hash(self) -> dict[str, str]:
+        return {_ENCODE_NAMES[k]: _flat(v) for k, v in msgspec.structs.asdict(self).items()}
+
+
+def _flat(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+_ENCODE_NAMES = {f.name: f.encode_name for f in msgspec.structs.fields(WorkflowState)}
+_KNOWN = frozenset(_ENCODE_NAMES.values())
+
+
+def state_from_hash(raw: dict[bytes, bytes]) -> WorkflowState:
+    """Read the state hash back; fields a newer version added are ignored."""
+    data = {k.decode(): v.decode() for k, v in raw.items()}
+    return msgspec.convert({k: v for k, v in data.items() if k in _KNOWN}, WorkflowState, strict=False)
+
+
+class Compensation(Struct, rename="camel", omit_defaults=False):
+    """One step's compensation record: the plan, and where it stands."""
+
+    step: str
+    seq: int
+    server: str
+    tool: str
+    status: CompStatus
+    operation_id: str | None = None
+    arguments: dict[str, Any] | None = None
+    idempotency_key: str | None = None
+    source: Literal["server", "overlay"] | None = None
+    attempts: int = 0
+    dispatch: int = 0
+    attempt: int = 0
+    last_error: str | None = None
+    reason: str | None = None
+    late: bool = False
+    approved: bool = False
+    queued_at: float = 0.0
+    updated_at: float = 0.0
+
+
+class CompensationJob(Struct, rename="camel", frozen=True):
+    """Everything a worker needs to perform one compensation, resolved by the coordinator."""
+
+    workflow: str
+    step: str
+    server: str
+    tool: str
+    operation_id: str
+    arguments: dict[str, Any]
+    idempotency_key: str
+    dispatch: int
+    source: Literal["server", "overlay"] = "server"
+    approved: bool = False
+    prefix: str = "saga"
+
+    @property
+    def job_id(self) -> str:
+        """RQ job id: one per (compensation, dispatch), so a re-dispatch is a new job, a redelivery is not."""
+        return f"saga-{_digest(self.idempotency_key)}-{self.dispatch}"
+
+
+def idempotency_key(workflow: str, step: str, operation_id: str) -> str:
+    """The one key of a compensation: stable across retries, redeliveries, restarts and processes."""
+    return "saga:" + _digest("\x1f".join((workflow, step, operation_id)), 32)
+
+
+def arguments_digest(arguments: dict[str, Any] | None) -> str:
+    return _digest(msgspec.json.encode(arguments, order="sorted"), 16)
+
+
+def _digest(text: str | bytes, size: int = 20) -> str:
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()[:size]
+
+
+comp_encoder = msgspec.json.Encoder()
+comp_decoder = msgspec.json.Decoder(Compensation)
+job_decoder = msgspec.json.Decoder(CompensationJob)

@@ -1,0 +1,42 @@
+"""Shared fixtures: a real redis-server for integration tests, fakeredis for unit tests of logic."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from saga.redis_server import resolve_redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """One real server for the session (`REDIS_URL` when set, else a private redis-server)."""
+    with resolve_redis(os.environ.get("SAGA_TEST_REDIS_URL")) as url:
+        yield url
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    """A clean database per test on the real server."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[redis.Redis]:
+    import fakeredis
+
+    client = fakeredis.FakeRedis()
+    yield client
+    client.flushall()

@@ -1,0 +1,251 @@
+"""The workflow state machine, folded event by event without Redis."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.machine import Machine, Rejected, WorkflowView
+from saga.config import parse_config
+from schemas.events import (
+    CompensationFailed,
+    CompensationRefused,
+    CompensationSucceeded,
+    Event,
+    OperatorApprove,
+    OperatorResolve,
+    OperatorRetry,
+    StepCompleted,
+    WorkflowCompleted,
+    WorkflowFailed,
+    encode_payload,
+)
+from schemas.records import WorkflowState, idempotency_key
+
+RESERVE = {
+    "strategy": "compensation",
+    "compensatingOperation": {
+        "operationId": "release_inventory",
+        "parameters": {"reservationId": "$response.body#/reservationId"},
+    },
+}
+CHARGE = {
+    "strategy": "compensation",
+    "compensatingOperation": {"operationId": "refund_payment", "parameters": {"transactionId": "$response.body#/tx"}},
+}
+
+
+def ev(payload, workflow: str = "order-1", n: list[int] = [0]) -> Event:  # noqa: B006 - a counter
+    n[0] += 1
+    return Event(id=f"{n[0]}-0", type=payload.TYPE, workflow=workflow, data=payload, raw=encode_payload(payload))
+
+
+def step(name: str, server: str = "inventory", tool: str = "reserve_inventory", recovery=RESERVE, body=None):
+    body = body if body is not None else {"reservationId": f"R-{name}", "tx": f"T-{name}"}
+    return StepCompleted(step=name, server=server, tool=tool, result={"structuredContent": body}, recovery=recovery)
+
+
+@pytest.fixture
+def machine() -> Machine:
+    return Machine(parse_config({"coordinator": {"barrier_grace": 5, "watchdog_after": 10}}))
+
+
+def fold(machine: Machine, view: WorkflowView, *payloads, now: float = 100.0) -> WorkflowView:
+    for payload in payloads:
+        machine.apply(view, ev(payload, view.workflow), now)
+    return view
+
+
+def new_view(workflow: str = "order-1") -> WorkflowView:
+    return WorkflowView(workflow, WorkflowState(), {}, full=True)
+
+
+def settle(machine: Machine, view: WorkflowView, now: float = 101.0) -> list[str]:
+    """Let a perfect worker succeed every job, in the order the machine dispatches them."""
+    order = []
+    while view.jobs:
+        job = view.jobs.pop(0)
+        order.append(job.step)
+        fold(machine, view, CompensationSucceeded(step=job.step, dispatch=job.dispatch), now=now)
+    return order
+
+
+def test_unwinds_in_reverse_completion_order_one_at_a_time(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), step("b"), step("c"), WorkflowFailed(reason="ship failed"))
+    assert view.state.status == "compensating"
+    assert [j.step for j in view.jobs] == ["c"]  # one in flight
+    assert settle(machine, view) == ["c", "b", "a"]
+    assert view.state.status == "compensated"
+    assert [c.status for c in view.comps.values()] == ["succeeded"] * 3
+
+
+def test_parallel_dispatches_everything_at_once(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), step("b"), WorkflowFailed(parallel=True))
+    assert sorted(j.step for j in view.jobs) == ["a", "b"]
+
+
+def test_job_carries_resolved_arguments_and_stable_key(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), WorkflowFailed())
+    (job,) = view.jobs
+    assert job.operation_id == "release_inventory"
+    assert job.arguments == {"reservationId": "R-a"}
+    assert job.server == "inventory"
+    assert job.idempotency_key == idempotency_key("order-1", "a", "release_inventory")
+
+
+def test_steps_without_recovery_are_skipped_and_unresolvable_are_unrecoverable(machine: Machine) -> None:
+    view = fold(
+        machine,
+        new_view(),
+        step("plain", recovery=None),
+        step("broken", body={"other": 1}),
+        step("good"),
+        WorkflowFailed(),
+    )
+    assert view.comps["plain"].status == "skipped"
+    broken = view.comps["broken"]
+    assert broken.status == "unrecoverable"
+    assert broken.arguments is None  # never partial arguments
+    assert "reservationId" in (broken.reason or "")
+    assert settle(machine, view) == ["good"]
+    assert view.state.status == "needs-attention"  # an unrecoverable step is not "compensated"
+    assert "broken" in view.state.attention
+
+
+def test_duplicate_events_change_nothing_twice(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), step("a"), WorkflowFailed(), WorkflowFailed())
+    assert view.state.steps == 1
+    assert len(view.jobs) == 1
+    job = view.jobs[0]
+    fold(machine, view, CompensationSucceeded(step="a", dispatch=job.dispatch))
+    version = view.state.version
+    log_size = len(view.log)
+    fold(machine, view, CompensationSucceeded(step="a", dispatch=job.dispatch))
+    assert view.state.version == version and len(view.log) == log_size
+
+
+def test_final_failure_halts_by_default(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), step("b"), WorkflowFailed())
+    job = view.jobs.pop()
+    fold(machine, view, CompensationFailed(step="b", dispatch=job.dispatch, attempt=1, final=False, error="503"))
+    assert view.comps["b"].status == "running"
+    fold(machine, view, CompensationFailed(step="b", dispatch=job.dispatch, attempt=2, final=True, error="503"))
+    assert view.comps["b"].status == "failed"
+    assert view.state.status == "needs-attention"
+    assert view.jobs == []  # "a" is not undone under a step that could not be undone
+    assert view.comps["a"].status == "pending"
+
+
+def test_continue_option_unwinds_past_a_failure(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), step("b"), WorkflowFailed(on_failure="continue"))
+    job = view.jobs.pop()
+    fold(machine, view, CompensationFailed(step="b", dispatch=job.dispatch, final=True, error="gone"))
+    assert [j.step for j in view.jobs] == ["a"]
+    settle(machine, view)
+    assert view.state.status == "needs-attention"
+    assert view.comps["a"].status == "succeeded"
+
+
+def test_operator_retry_and_resolve(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), step("b"), WorkflowFailed())
+    job = view.jobs.pop()
+    fold(machine, view, CompensationFailed(step="b", dispatch=job.dispatch, final=True, error="x"))
+    fold(machine, view, OperatorRetry(step="b", by="alice"))
+    (retry,) = view.jobs
+    assert retry.step == "b" and retry.dispatch == job.dispatch + 1
+    assert retry.idempotency_key == job.idempotency_key
+    view.jobs.clear()
+    fold(machine, view, CompensationFailed(step="b", dispatch=retry.dispatch, final=True, error="x"))
+    fold(machine, view, OperatorResolve(step="b", by="alice", note="refunded by hand"))
+    assert view.comps["b"].status == "resolved"
+    assert settle(machine, view) == ["a"]
+    assert view.state.status == "compensated"
+    assert any(e["type"] == "operator-resolve" and e["by"] == "alice" for e in view.log)
+
+
+def test_approval_gate(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), WorkflowFailed())
+    job = view.jobs.pop()
+    fold(machine, view, CompensationRefused(step="a", dispatch=job.dispatch, status="awaiting-approval", reason="policy"))
+    assert view.state.status == "needs-attention"
+    fold(machine, view, OperatorApprove(step="a", by="bob"))
+    (again,) = view.jobs
+    assert again.approved and again.dispatch == job.dispatch + 1
+    settle(machine, view)
+    assert view.state.status == "compensated"
+
+
+def test_barrier_waits_for_announced_steps(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), WorkflowFailed(steps_completed=2))
+    assert view.state.status == "failed" and view.jobs == []
+    fold(machine, view, step("b"))
+    assert view.state.status == "compensating"
+    assert settle(machine, view) == ["b", "a"]
+
+
+def test_barrier_grace_expiry_plans_anyway_and_flags(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), WorkflowFailed(steps_completed=3), now=100.0)
+    assert machine.next_deadline(view) == 105.0
+    machine.tick(view, 104.0)
+    assert view.jobs == []
+    machine.tick(view, 105.0)
+    assert settle(machine, view) == ["a"]
+    assert view.state.status == "needs-attention"
+    assert "2 step(s)" in view.state.attention
+
+
+def test_late_step_is_compensated_and_flagged(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), WorkflowFailed())
+    settle(machine, view)
+    assert view.state.status == "compensated"
+    fold(machine, view, step("late"))
+    assert view.comps["late"].late
+    assert [j.step for j in view.jobs] == ["late"]
+    assert any(e["type"] == "late-step" for e in view.log)
+    settle(machine, view)
+    assert view.state.status == "compensated"
+
+
+def test_watchdog_redispatches_with_same_key(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), WorkflowFailed(), now=100.0)
+    first = view.jobs.pop()
+    machine.tick(view, 109.0)
+    assert view.jobs == []
+    machine.tick(view, 110.0)
+    (second,) = view.jobs
+    assert second.dispatch == first.dispatch + 1
+    assert second.idempotency_key == first.idempotency_key
+    assert any(e["type"] == "watchdog-redispatch" for e in view.log)
+    # The superseded dispatch's late success still counts: the compensation happened.
+    fold(machine, view, CompensationSucceeded(step="a", dispatch=first.dispatch), now=111.0)
+    assert view.state.status == "compensated"
+
+
+def test_nonsense_is_rejected(machine: Machine) -> None:
+    with pytest.raises(Rejected, match="unknown workflow"):
+        fold(machine, new_view(), CompensationSucceeded(step="a"))
+    view = fold(machine, new_view(), step("a"), WorkflowCompleted())
+    assert view.state.status == "completed"
+    with pytest.raises(Rejected, match="after the workflow completed"):
+        fold(machine, view, step("b"))
+    with pytest.raises(Rejected, match="no compensation record"):
+        fold(machine, fold(machine, new_view("w2"), step("a"), WorkflowFailed()), CompensationSucceeded(step="zz"))
+
+
+def test_failure_before_any_step_ends_compensated_with_nothing_to_do(machine: Machine) -> None:
+    view = fold(machine, new_view(), WorkflowFailed(reason="first call failed"))
+    assert view.state.status == "compensated"
+    assert view.outcomes[-1]["type"] == "workflow-compensated"
+
+
+def test_overlay_wins_over_server_declaration_and_is_noted() -> None:
+    overlay = {
+        "strategy": "compensation",
+        "compensatingOperation": {"operationId": "cancel_reservation", "parameters": {"id": "$request.body#/sku"}},
+    }
+    machine = Machine(parse_config({"servers": {"inventory": {"url": "http://x/mcp", "recovery": {"reserve_inventory": overlay}}}}))
+    s = step("a")
+    s = StepCompleted(step="a", server=s.server, tool=s.tool, result=s.result, recovery=RESERVE, arguments={"sku": "X"})
+    view = fold(machine, new_view(), s)
+    comp = view.comps["a"]
+    assert (comp.source, comp.operation_id, comp.arguments) == ("overlay", "cancel_reservation", {"id": "X"})
+    assert any(e["type"] == "overlay-override" for e in view.log)

@@ -1,0 +1,66 @@
+"""The RQ side of dispatch: how a compensation becomes a job on queue `saga`.
+
+The coordinator calls `enqueue`; workers run `workers.job.compensate`. Job ids come from the
+compensation's idempotency key and dispatch number, and enqueueing is `unique`, so a coordinator
+that crashed after its state transition and replays the event cannot queue the same dispatch
+twice (RQ would otherwise overwrite the job and run it twice).
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+from redis import Redis
+from rq import Queue, Retry
+from rq.exceptions import DuplicateJobError
+
+from saga.config import WorkerSettings
+from schemas.records import CompensationJob
+
+JOB_FUNCTION = "workers.job.compensate"
+
+
+def backoff_intervals(settings: WorkerSettings, rng: random.Random | None = None) -> list[int]:
+    """Exponential backoff with jitter, one interval per retry, bounded by `backoff_max`.
+
+    RQ takes whole seconds; jitter spreads the retries of many compensations that failed
+    together (a server that was down) so they do not return in one burst.
+    """
+    rng = rng or random.Random()
+    intervals = []
+    for retry in range(settings.attempts - 1):
+        base = min(settings.backoff_max, settings.backoff_base * 2**retry)
+        spread = base * settings.jitter
+        intervals.append(max(0, round(base + rng.uniform(-spread, spread))))
+    return intervals
+
+
+def queue_for(connection: Redis, name: str) -> Queue:
+    return Queue(name, connection=connection)
+
+
+def enqueue(queue: Queue, job: CompensationJob, settings: WorkerSettings) -> bool:
+    """Queue one dispatch of a compensation; False when that dispatch is already queued or ran."""
+    retry = Retry(max=settings.attempts - 1, interval=backoff_intervals(settings)) if settings.attempts > 1 else None
+    try:
+        queue.enqueue(
+            JOB_FUNCTION,
+            job_payload(job),
+            job_id=job.job_id,
+            unique=True,
+            retry=retry,
+            job_timeout=settings.job_timeout,
+            result_ttl=3600,
+            failure_ttl=7 * 86_400,
+            description=f"compensate {job.workflow}/{job.step}: {job.server}:{job.operation_id}",
+            meta={"workflow": job.workflow, "step": job.step},
+        )
+    except DuplicateJobError:
+        return False
+    return True
+
+
+def job_payload(job: CompensationJob) -> str:
+    """JSON text (not a pickle): readable in rq-dashboard and by workers of any version."""
+    return msgspec.json.encode(job).decode()
