@@ -1,0 +1,246 @@
+"""OpenAPI 3.0 `Link` runtime expressions, applied to a stored MCP tool call (SEP-3172 section 4.2).
+
+What each expression reads, given the original call's `arguments` and its CallToolResult `result`
+(wire form: `structuredContent`, `content`, `isError`, `_meta`):
+
+- `$response.body` / `$response.body#/json/pointer`: the result's body, i.e. `structuredContent`,
+  else the JSON parsed from its single text content block (`response_body`).
+- `$request.body` / `$request.body#/json/pointer`: the original call's `arguments`. OpenAPI gives
+  this a meaning for HTTP; for MCP it is our extension, and the only way to bind an input the
+  response does not echo.
+- `$response.header.<name>`: `result["_meta"][<name>]`. MCP results have no headers; `_meta` is the
+  closest per-result metadata. The name is matched exactly (`_meta` keys are case-sensitive) and,
+  beyond the HTTP token characters, may contain `/` because prefixed `_meta` keys do.
+
+`$url`, `$method`, `$statusCode`, `$request.query.*`, `$request.path.*`, `$request.header.*` (and
+the `$response` query/path forms) have no MCP counterpart and are rejected when parsed rather than
+resolved to something made up: a compensation must never run with invented arguments.
+
+A binding is one of three shapes. A string that starts with `$` must be one whole expression and
+keeps the JSON type of what it points to. A string containing `{$...}` is a template and always
+yields a string; each `{$` opens an expression that ends at the next `}` (so a pointer inside a
+template cannot address a key containing `}`), while any other `{` or `}` is literal. Everything
+else is a constant. There is no escape for a literal string starting with `$`: such a constant is
+far more likely to be a mistyped expression than a value, and silently sending the text would call
+the compensating tool with a wrong argument.
+
+Resolving a parameter set is all or nothing: the SEP requires that an unresolvable binding makes
+recovery unavailable, never a call with partial or default arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from schemas.pointer import PointerError, json_type, parse_pointer, resolve_pointer
+
+Kind = Literal["response.body", "request.body", "response.header"]
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z/]+")
+_NO_COUNTERPART = {
+    "$url": "MCP tool calls have no URL",
+    "$method": "MCP tool calls have no HTTP method (the operation is always tools/call)",
+    "$statusCode": "MCP results have no status code (a result with isError true is never resolved)",
+}
+_EXPECTED = "expected $response.body#/pointer, $request.body#/pointer or $response.header.<name>"
+
+
+class ExpressionError(ValueError):
+    """A binding that does not parse; caught when a declaration is read, long before any failure."""
+
+    def __init__(self, expression: str, reason: str, template: str | None = None) -> None:
+        super().__init__(expression, reason, template)
+        self.expression = expression
+        self.reason = reason
+        self.template = template
+
+    def __str__(self) -> str:
+        where = f" (in template {self.template!r})" if self.template is not None else ""
+        return f"`{self.expression}`: {self.reason}{where}"
+
+
+class UnresolvableError(Exception):
+    """A binding that parses but cannot be resolved against a stored call: recovery is unavailable."""
+
+    def __init__(self, expression: str, reason: str, parameter: str | None = None) -> None:
+        super().__init__(expression, reason, parameter)
+        self.expression = expression
+        self.reason = reason
+        self.parameter = parameter
+
+    def __str__(self) -> str:
+        prefix = f"parameter {self.parameter!r}: " if self.parameter is not None else ""
+        return f"{prefix}`{self.expression}`: {self.reason}"
+
+
+class Constant(msgspec.Struct, frozen=True):
+    value: Any
+
+
+class Expression(msgspec.Struct, frozen=True):
+    source: str
+    kind: Kind
+    pointer: tuple[str, ...] = ()
+    name: str | None = None
+
+
+class Template(msgspec.Struct, frozen=True):
+    parts: tuple[str | Expression, ...]
+
+
+Binding = Constant | Expression | Template
+
+
+def parse_value(value: Any) -> Binding:
+    """Parse one `parameters` value; non-string values are constants and are not searched for
+    expressions, as in OpenAPI's Link object."""
+    if isinstance(value, Constant | Expression | Template):
+        return value
+    if not isinstance(value, str):
+        return Constant(value)
+    if value.startswith("$"):
+        return _parse_expression(value)
+    if "{$" in value:
+        return _parse_template(value)
+    return Constant(value)
+
+
+def _parse_template(text: str) -> Template:
+    parts: list[str | Expression] = []
+    pos = 0
+    while (start := text.find("{$", pos)) != -1:
+        end = text.find("}", start)
+        if end == -1:
+            raise ExpressionError(text[start:], "embedded expression has no closing '}'", text)
+        if start > pos:
+            parts.append(text[pos:start])
+        parts.append(_parse_expression(text[start + 1 : end], template=text))
+        pos = end + 1
+    if pos < len(text):
+        parts.append(text[pos:])
+    return Template(tuple(parts))
+
+
+def _parse_expression(source: str, template: str | None = None) -> Expression:
+    def fail(reason: str) -> ExpressionError:
+        return ExpressionError(source, reason, template)
+
+    if source in _NO_COUNTERPART:
+        raise fail(_NO_COUNTERPART[source])
+    scope, dot, rest = source.partition(".")
+    if scope not in ("$request", "$response") or not dot:
+        raise fail(f"not a runtime expression ({_EXPECTED})")
+    side = scope[1:]
+    if rest == "body" or rest.startswith("body#"):
+        try:
+            pointer = parse_pointer(rest[5:])
+        except PointerError as exc:
+            raise fail(str(exc)) from None
+        return Expression(source, "request.body" if side == "request" else "response.body", pointer)
+    if rest.startswith("body"):
+        raise fail("a body pointer follows '#', e.g. $response.body#/id")
+    location, _, name = rest.partition(".")
+    if location in ("query", "path"):
+        raise fail(f"MCP tool calls have no {location} parameters (use $request.body#/... for arguments)")
+    if location == "header" and side == "request":
+        raise fail("MCP requests have no headers (use $request.body#/... for arguments)")
+    if location == "header":
+        if not _HEADER_NAME.fullmatch(name):
+            raise fail(f"{name!r} is not a header name (a _meta key: letters, digits, !#$%&'*+-.^_`|~/)")
+        return Expression(source, "response.header", name=name)
+    raise fail(f"unknown source {rest!r} ({_EXPECTED})")
+
+
+def response_body(result: dict[str, Any]) -> Any:
+    """What `$response.body` means for a CallToolResult: structured content when the tool gave
+    it, else the text it returned if that is JSON. Never guess beyond that."""
+    if not isinstance(result, dict):
+        raise UnresolvableError("$response.body", f"the stored result is {json_type(result)}, not an object")
+    if result.get("isError"):
+        raise UnresolvableError("$response.body", "the call failed (isError is true)")
+    if result.get("structuredContent") is not None:
+        return result["structuredContent"]
+    content = result.get("content")
+    blocks = [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+    texts = [b.get("text") for b in blocks if b.get("type") == "text"]
+    if len(texts) != 1:
+        found = "no text content block" if not texts else f"{len(texts)} text content blocks"
+        raise UnresolvableError("$response.body", f"no structuredContent and {found} (need exactly one)")
+    if not isinstance(texts[0], str):
+        raise UnresolvableError("$response.body", "the text content block has no text")
+    try:
+        return json.loads(texts[0])
+    except ValueError as exc:
+        raise UnresolvableError("$response.body", f"no structuredContent and the text is not JSON ({exc})") from None
+
+
+def _evaluate(expr: Expression, arguments: dict[str, Any], result: dict[str, Any]) -> Any:
+    if expr.kind == "response.header":
+        meta = result.get("_meta") if isinstance(result, dict) else None
+        if not isinstance(meta, dict):
+            raise UnresolvableError(expr.source, "the result has no _meta")
+        if expr.name not in meta:
+            raise UnresolvableError(expr.source, f"_meta has no key {expr.name!r}")
+        return meta[expr.name]
+    if expr.kind == "request.body":
+        doc = arguments
+    else:
+        try:
+            doc = response_body(result)
+        except UnresolvableError as exc:
+            raise UnresolvableError(expr.source, exc.reason) from None
+    try:
+        return resolve_pointer(doc, expr.pointer)
+    except PointerError as exc:
+        raise UnresolvableError(expr.source, str(exc)) from None
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def resolve_value(binding: Any, *, arguments: dict[str, Any], result: dict[str, Any]) -> Any:
+    """Accepts a parsed binding or a raw declaration value; raw values that do not parse raise
+    ExpressionError."""
+    binding = parse_value(binding)
+    if isinstance(binding, Constant):
+        return binding.value
+    if isinstance(binding, Expression):
+        return _evaluate(binding, arguments, result)
+    return "".join(
+        part if isinstance(part, str) else _render(_evaluate(part, arguments, result)) for part in binding.parts
+    )
+
+
+def resolve_parameters(
+    parameters: dict[str, Any], *, arguments: dict[str, Any], result: dict[str, Any]
+) -> dict[str, Any]:
+    """All or nothing. A binding that does not parse is reported as unresolvable too: for the
+    caller both mean the same thing, recovery is unavailable for this step."""
+    resolved: dict[str, Any] = {}
+    for name, raw in parameters.items():
+        try:
+            resolved[name] = resolve_value(raw, arguments=arguments, result=result)
+        except (UnresolvableError, ExpressionError) as exc:
+            raise UnresolvableError(exc.expression, exc.reason, parameter=name) from None
+    return resolved
+
+
+def referenced_pointers(parameters: dict[str, Any]) -> list[tuple[str, Kind, tuple[str, ...]]]:
+    """Every expression a declaration uses, for checking against schemas before any call exists.
+    For `response.header` the single token is the `_meta` key."""
+    found: list[tuple[str, Kind, tuple[str, ...]]] = []
+    for name, raw in parameters.items():
+        binding = parse_value(raw)
+        parts = (binding,) if isinstance(binding, Expression) else getattr(binding, "parts", ())
+        for part in parts:
+            if isinstance(part, Expression):
+                tokens = (part.name or "",) if part.kind == "response.header" else part.pointer
+                found.append((name, part.kind, tokens))
+    return found
