@@ -166,6 +166,8 @@ class Coordinator:
         if pending:  # pathological contention: leave these unacknowledged, they come back
             log.error("gave up on contended workflows this batch", workflows=sorted(pending))
 
+        if os.environ.get("SAGA_TEST_CRASH_AFTER_COMMIT"):  # fault injection for the crash tests
+            os._exit(70)
         result.jobs = self._dispatch(committed, ensure=redelivered)
         unacked = {e.id for items in pending.values() for e, _ in items}
         ack = [i for i, _ in entries if i.decode() not in unacked]

@@ -165,7 +165,9 @@ def test_operator_retry_and_resolve(machine: Machine) -> None:
 def test_approval_gate(machine: Machine) -> None:
     view = fold(machine, new_view(), step("a"), WorkflowFailed())
     job = view.jobs.pop()
-    fold(machine, view, CompensationRefused(step="a", dispatch=job.dispatch, status="awaiting-approval", reason="policy"))
+    fold(
+        machine, view, CompensationRefused(step="a", dispatch=job.dispatch, status="awaiting-approval", reason="policy")
+    )
     assert view.state.status == "needs-attention"
     fold(machine, view, OperatorApprove(step="a", by="bob"))
     (again,) = view.jobs
@@ -242,7 +244,9 @@ def test_overlay_wins_over_server_declaration_and_is_noted() -> None:
         "strategy": "compensation",
         "compensatingOperation": {"operationId": "cancel_reservation", "parameters": {"id": "$request.body#/sku"}},
     }
-    machine = Machine(parse_config({"servers": {"inventory": {"url": "http://x/mcp", "recovery": {"reserve_inventory": overlay}}}}))
+    machine = Machine(
+        parse_config({"servers": {"inventory": {"url": "http://x/mcp", "recovery": {"reserve_inventory": overlay}}}})
+    )
     s = step("a")
     s = StepCompleted(step="a", server=s.server, tool=s.tool, result=s.result, recovery=RESERVE, arguments={"sku": "X"})
     view = fold(machine, new_view(), s)

@@ -1,0 +1,209 @@
+"""The coordinator against a real redis-server: in-process batches, then real processes."""
+
+from __future__ import annotations
+
+import signal
+
+import msgspec
+import pytest
+import redis
+from processes import saga_process, stop, wait_for
+from rq import Queue
+
+from coordinator.consumer import Coordinator
+from saga.config import parse_config
+from saga.keys import Keys
+from schemas.events import (
+    CompensationSucceeded,
+    StepCompleted,
+    WorkflowCompleted,
+    WorkflowFailed,
+    entry_fields,
+)
+from schemas.records import comp_decoder, job_decoder, state_from_hash
+
+K = Keys()
+RECOVERY = {
+    "strategy": "compensation",
+    "compensatingOperation": {"operationId": "undo", "parameters": {"id": "$response.body#/id"}},
+}
+
+
+def step(name: str, **extra) -> StepCompleted:
+    return StepCompleted(
+        step=name,
+        server="svc",
+        tool="do",
+        result={"structuredContent": {"id": f"id-{name}"}},
+        recovery=RECOVERY,
+        **extra,
+    )
+
+
+def publish(r: redis.Redis, workflow: str, *payloads) -> None:
+    for payload in payloads:
+        r.xadd(K.events, entry_fields(workflow, payload))
+
+
+def drain(coordinator: Coordinator, rounds: int = 20) -> None:
+    for _ in range(rounds):
+        if not coordinator.step().events:
+            return
+
+
+def queued_jobs(r: redis.Redis):
+    queue = Queue(K.queue, connection=r)
+    return [job_decoder.decode(job.args[0]) for job in queue.get_jobs()]
+
+
+@pytest.fixture
+def coord(r: redis.Redis) -> Coordinator:
+    config = parse_config({"coordinator": {"block_ms": 10, "claim_idle_ms": 100}})
+    c = Coordinator(r, config, name="test")
+    c.ensure_group()
+    return c
+
+
+def test_records_steps_and_dispatches_lifo(r: redis.Redis, coord: Coordinator) -> None:
+    publish(r, "order-1", step("a"), step("b"), step("c"), WorkflowFailed(reason="boom"))
+    drain(coord)
+    state = state_from_hash(r.hgetall(K.state("order-1")))
+    assert (state.status, state.steps) == ("compensating", 3)
+    assert [msgspec.json.decode(s)["step"] for s in r.lrange(K.steps("order-1"), 0, -1)] == ["a", "b", "c"]
+    (job,) = queued_jobs(r)
+    assert (job.step, job.operation_id, job.arguments) == ("c", "undo", {"id": "id-c"})
+    assert r.zscore(K.index("compensating"), "order-1") is not None
+    assert r.xpending(K.events, K.group)["pending"] == 0  # everything acknowledged
+
+    for name in ("c", "b", "a"):
+        comp = comp_decoder.decode(r.hget(K.comp("order-1"), name))
+        assert comp.status == "queued"
+        publish(r, "order-1", CompensationSucceeded(step=name, dispatch=comp.dispatch))
+        drain(coord)
+    assert state_from_hash(r.hgetall(K.state("order-1"))).status == "compensated"
+    assert [j.step for j in queued_jobs(r)] == ["c", "b", "a"]
+    assert r.zscore(K.index("compensated"), "order-1") is not None
+    assert r.zscore(K.index("compensating"), "order-1") is None
+    outcomes = [f[b"type"] for _, f in r.xrange(K.outcomes)]
+    assert outcomes.count(b"compensation-succeeded") == 3 and b"workflow-compensated" in outcomes
+    timeline = [f[b"type"].decode() for _, f in r.xrange(K.log("order-1"))]
+    assert timeline[:4] == ["step-completed"] * 3 + ["workflow-failed"]
+    assert 0 < r.ttl(K.state("order-1")) <= coord.settings.retention_compensated
+
+
+def test_duplicate_deliveries_dispatch_once(r: redis.Redis, coord: Coordinator) -> None:
+    publish(r, "dup", step("a"), step("a"), WorkflowFailed(), WorkflowFailed())
+    drain(coord)
+    publish(r, "dup", step("a"), WorkflowFailed())
+    drain(coord)
+    assert r.llen(K.steps("dup")) == 1
+    assert len(queued_jobs(r)) == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"type": "step-completed", "workflow": "w", "data": "{not json"}, "step-completed data"),
+        ({"type": "bogus", "workflow": "w", "data": "{}"}, "unknown event type"),
+        ({"type": "workflow-failed", "workflow": "has space", "data": "{}"}, "invalid workflow id"),
+        ({"type": "workflow-failed", "workflow": "{w}", "data": "{}"}, "invalid workflow id"),
+        ({"type": "workflow-failed", "data": "{}"}, "missing field 'workflow'"),
+        ({"type": "step-completed", "workflow": "w", "data": '{"step":"a"}'}, "missing required field"),
+        ({"type": "workflow-failed", "workflow": "w", "data": b"\xff\xfe"}, "step"),
+        ({"type": "workflow-failed", "workflow": "w", "data": "x" * 300_000}, "cap"),
+        ({"type": "compensation-succeeded", "workflow": "ghost", "data": '{"step":"a"}'}, "unknown workflow"),
+        ({"type": "workflow-failed", "workflow": "w", "v": "9", "data": "{}"}, "unsupported wire version"),
+    ],
+)
+def test_malformed_entries_go_to_dead_letter_with_reason(
+    r: redis.Redis, coord: Coordinator, fields: dict, reason: str
+) -> None:
+    entry_id = r.xadd(K.events, fields)
+    publish(r, "good", step("a"), WorkflowFailed())
+    drain(coord)
+    ((_, dead),) = r.xrange(K.dead_letter)
+    assert dead[b"dead.id"] == entry_id
+    if reason != "step":
+        assert reason in dead[b"dead.reason"].decode()
+    for key, value in fields.items():
+        assert dead[key.encode()] == (value if isinstance(value, bytes) else value.encode())
+    assert r.xpending(K.events, K.group)["pending"] == 0
+    assert state_from_hash(r.hgetall(K.state("good"))).status == "compensating"  # the valid one went on
+
+
+def test_completed_workflow_expires_and_gc_cleans_the_index(r: redis.Redis) -> None:
+    config = parse_config({"coordinator": {"block_ms": 10, "retention_completed": 1}})
+    coord = Coordinator(r, config, name="gc")
+    coord.ensure_group()
+    publish(r, "short", step("a"), WorkflowCompleted())
+    drain(coord)
+    assert r.zscore(K.index("completed"), "short") is not None
+    wait_for(lambda: not r.exists(K.state("short")), 5, "retention expiry")
+    assert not r.keys("saga:{short}:*")
+    assert coord.store.collect_garbage() == 1
+    assert r.zscore(K.index("completed"), "short") is None
+    assert coord.trim_events() >= 2 and r.xlen(K.events) == 0
+
+
+def test_two_coordinator_processes_share_the_group(r: redis.Redis, redis_url: str, tmp_path) -> None:
+    procs = [
+        saga_process("coordinator", "--name", f"c{i}", redis_url=redis_url, log=tmp_path / f"c{i}.log")
+        for i in range(2)
+    ]
+    try:
+        workflows = [f"wf-{i}" for i in range(60)]
+        pipe = r.pipeline()
+        for wf in workflows:
+            for payload in (step("a"), step("b"), step("c"), WorkflowFailed(parallel=True)):
+                pipe.xadd(K.events, entry_fields(wf, payload))
+        pipe.execute()
+        wait_for(lambda: r.zcard(K.index("compensating")) == 60, 60, "all workflows compensating")
+        wait_for(lambda: r.xpending(K.events, K.group)["pending"] == 0 and not _lag(r), 30, "acks")
+        jobs = queued_jobs(r)
+        assert len(jobs) == 180
+        assert len({(j.workflow, j.step) for j in jobs}) == 180
+        consumers = {c["name"].decode(): c for c in r.xinfo_consumers(K.events, K.group)}
+        assert set(consumers) == {"c0", "c1"}
+    finally:
+        for p in procs:
+            assert stop(p) == 0, (tmp_path / "c0.log").read_text()[-3000:]
+
+
+def _lag(r: redis.Redis) -> int:
+    (group,) = r.xinfo_groups(K.events)
+    return group.get("lag") or 0
+
+
+def test_sigkill_between_commit_and_enqueue_loses_nothing_and_doubles_nothing(
+    r: redis.Redis, redis_url: str, tmp_path
+) -> None:
+    """A coordinator dies right after its state commit, before the job is queued and the event acked."""
+    config = tmp_path / "saga.toml"
+    config.write_text("[coordinator]\nclaim_idle_ms = 300\nblock_ms = 50\n")
+    publish(r, "crash", step("a"), step("b"), WorkflowFailed())
+    doomed = saga_process(
+        "coordinator", "--name", "doomed", redis_url=redis_url, config=config,
+        env={"SAGA_TEST_CRASH_AFTER_COMMIT": "1"}, log=tmp_path / "doomed.log",
+    )  # fmt: skip
+    assert doomed.wait(30) != 0
+    assert state_from_hash(r.hgetall(K.state("crash"))).status == "compensating"  # committed...
+    assert queued_jobs(r) == []  # ...but never enqueued, never acked
+    assert r.xpending(K.events, K.group)["pending"] > 0
+
+    survivor = saga_process(
+        "coordinator", "--name", "survivor", redis_url=redis_url, config=config, log=tmp_path / "s.log"
+    )
+    try:
+        wait_for(lambda: r.xpending(K.events, K.group)["pending"] == 0, 30, "the survivor to claim and ack")
+        jobs = wait_for(lambda: queued_jobs(r), 10, "the job")
+        assert [(j.step, j.dispatch) for j in jobs] == [("b", 1)]
+        assert r.llen(K.steps("crash")) == 2
+    finally:
+        assert stop(survivor) == 0
+
+
+def test_sigterm_finishes_the_batch_and_exits_zero(r: redis.Redis, redis_url: str, tmp_path) -> None:
+    proc = saga_process("coordinator", redis_url=redis_url, log=tmp_path / "c.log")
+    publish(r, "t", step("a"))
+    wait_for(lambda: r.exists(K.state("t")), 30, "the step to be recorded")
+    assert stop(proc, signal.SIGTERM) == 0
