@@ -1,0 +1,58 @@
+"""A server whose tools do nothing, so benchmarks measure the saga machinery and MCP alone.
+
+Same command line as the other examples; `--db` is accepted and ignored (there is no state), and
+`--fail-first` counts per process, in memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections import defaultdict
+
+from mcp.server.mcpserver import MCPServer
+from mcp_types import ToolAnnotations
+from pydantic import BaseModel
+
+from examples.ledger import Faults
+from examples.serve import new_app, parse_args, run
+from saga.recovery_wire import compensation, recoverable_tool
+
+NAME = "trivial"
+
+
+class Noop(BaseModel):
+    n: int
+
+
+class NoopUndo(BaseModel):
+    n: int
+    undone: bool = True
+
+
+def build(faults: Faults | None = None) -> MCPServer:
+    faults = faults or Faults()
+    calls: defaultdict[str, itertools.count[int]] = defaultdict(lambda: itertools.count(1))
+    app = new_app(NAME)
+
+    @recoverable_tool(app, compensation("noop_undo", n="$response.body#/n"))
+    def noop(n: int) -> Noop:
+        """Return `n`."""
+        return Noop(n=n)
+
+    @app.tool(annotations=ToolAnnotations(idempotentHint=True))
+    def noop_undo(n: int, idempotencyKey: str | None = None) -> NoopUndo:
+        """Pretend to undo `noop(n)`."""
+        faults.check("noop_undo", next(calls["noop_undo"]))
+        return NoopUndo(n=n)
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(NAME, argv)
+    run(build(args.faults), args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
