@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 from mcp import Client
-from mcp_servers import start_http_servers, stdio_params
 from mcp_types import CallToolResult
+from processes import start_http_servers, stdio_params
 
 from examples import SERVERS, TRIVIAL
 from examples.ledger import DB_ENV, FAIL_RATE_ENV, TRANSIENT_PREFIX, db_path, read_state

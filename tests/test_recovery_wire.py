@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from mcp import Client
 from mcp.server.mcpserver import Context, MCPServer
-from mcp_servers import REPO, start_http_server, stdio_params
 from mcp_types import ToolAnnotations
+from processes import REPO, start_http_server, stdio_params
 
 from saga.recovery_wire import (
     IDEMPOTENCY_META_KEY,
