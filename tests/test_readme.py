@@ -1,0 +1,44 @@
+"""The README's copy-paste examples, executed as written."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import redis
+from processes import saga_process, stop, wait_for
+
+from saga.keys import Keys
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def block_after(marker: str) -> list[str]:
+    text = README.read_text()
+    match = re.search(rf"<!-- {marker} -->\n```sh\n(.*?)```", text, re.S)
+    assert match, f"README has no block marked {marker}"
+    return [line for line in match.group(1).splitlines() if line.strip()]
+
+
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli is not installed")
+def test_redis_cli_publishing_example_is_compensated(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    lines = block_after("redis-cli-example")
+    coordinator = saga_process("coordinator", redis_url=redis_url, log=tmp_path / "coordinator.log")
+    try:
+        for line in lines:
+            assert line.startswith("redis-cli ")
+            command = line.replace("redis-cli ", f"redis-cli -u {redis_url} ", 1)
+            subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True)
+        keys = Keys()
+        wait_for(lambda: r.hget(keys.state("order-7"), "status") == b"compensating", 20, "the coordinator")
+        record = json.loads(r.hget(keys.comp("order-7"), "charge"))
+        assert record["operationId"] == "refund_payment"
+        assert record["arguments"] == {"transactionId": "TXN-7"}
+        assert record["status"] == "queued"
+        assert not r.xlen(keys.dead_letter)
+    finally:
+        assert stop(coordinator) == 0
