@@ -1,0 +1,51 @@
+"""Write the JSON Schemas of the wire contract to `schemas/json/` (`python -m schemas.export`).
+
+Publishers in other languages validate against these files; a test regenerates them and fails
+when the committed copies are stale, so the files and the structs can never drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from schemas.events import PAYLOAD_TYPES
+from schemas.recovery import Recovery
+from schemas.records import Compensation, CompensationJob
+
+OUT = Path(__file__).resolve().parent / "json"
+
+
+def schemas() -> dict[str, dict[str, Any]]:
+    """File name -> schema, for every event payload, the recovery object and the stored records."""
+    found: dict[str, dict[str, Any]] = {}
+    for name, payload in PAYLOAD_TYPES.items():
+        schema = msgspec.json.schema(payload)
+        schema["title"] = f"saga:events entry `data` for type={name}"
+        found[f"event-{name}.json"] = schema
+    recovery = Recovery.model_json_schema(by_alias=True)
+    recovery["title"] = "SEP-3172 ToolAnnotations.recovery"
+    found["recovery.json"] = recovery
+    found["compensation-record.json"] = msgspec.json.schema(Compensation)
+    found["compensation-job.json"] = msgspec.json.schema(CompensationJob)
+    return found
+
+
+def render(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+def main() -> int:
+    OUT.mkdir(exist_ok=True)
+    for name, schema in schemas().items():
+        (OUT / name).write_text(render(schema))
+    print(f"wrote {len(schemas())} schemas to {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
