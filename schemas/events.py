@@ -21,7 +21,10 @@ MAX_DATA_BYTES = 256 * 1024
 
 WORKFLOW_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$"
 STEP_ID = r"^[A-Za-z0-9._:-]{1,64}$"
+# Checked with fullmatch: Python's `$` also matches before a trailing newline, which the contract
+# (and these patterns read as JSON Schema / ECMA-262) does not allow.
 _WORKFLOW_RE = re.compile(WORKFLOW_ID)
+_STEP_RE = re.compile(STEP_ID)
 
 StepId = Annotated[str, Meta(pattern=STEP_ID)]
 Name = Annotated[str, Meta(min_length=1, max_length=128)]
@@ -187,7 +190,7 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
     if decoder is None:
         raise InvalidEvent(f"unknown event type {kind[:80]!r}")
     workflow = _text(fields, "workflow")
-    if not _WORKFLOW_RE.match(workflow):
+    if not _WORKFLOW_RE.fullmatch(workflow):
         raise InvalidEvent(f"invalid workflow id {workflow[:80]!r} (must match {WORKFLOW_ID})")
     version = fields.get(b"v", b"1")
     if version != b"1":
@@ -201,6 +204,9 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
         data = decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise InvalidEvent(f"{kind} data: {exc}") from None
+    step = getattr(data, "step", None)
+    if step is not None and not _STEP_RE.fullmatch(step):  # msgspec's pattern check uses re.search
+        raise InvalidEvent(f"{kind} data: invalid step id {step[:80]!r} (must match {STEP_ID})")
     return Event(id=entry_id, type=kind, workflow=workflow, data=data, raw=raw)
 
 
@@ -210,7 +216,7 @@ def encode_payload(payload: Payload) -> bytes:
 
 def entry_fields(workflow: str, payload: Payload) -> dict[str, bytes | str]:
     """The stream entry for a payload, as any publisher (or `redis-cli XADD`) would write it."""
-    if not _WORKFLOW_RE.match(workflow):
+    if not _WORKFLOW_RE.fullmatch(workflow):
         raise ValueError(f"invalid workflow id {workflow!r} (must match {WORKFLOW_ID})")
     return {
         "type": payload.TYPE,

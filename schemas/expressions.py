@@ -173,8 +173,10 @@ def response_body(result: dict[str, Any]) -> Any:
     if not isinstance(texts[0], str):
         raise UnresolvableError("$response.body", "the text content block has no text")
     try:
-        return json.loads(texts[0])
-    except ValueError as exc:
+        # msgspec, not json.loads: strict JSON, so no NaN (it would be sent on as null) and no lone
+        # surrogate (it cannot be stored), and absurd nesting is an error here, not a crash later.
+        return msgspec.json.decode(texts[0])
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise UnresolvableError("$response.body", f"no structuredContent and the text is not JSON ({exc})") from None
 
 
