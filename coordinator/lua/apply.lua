@@ -12,19 +12,19 @@ if current ~= ARGV[1] then
 end
 local ttl, logmax = tonumber(ARGV[2]), ARGV[3]
 local nstate, ncomp, nsteps, nlog = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+-- unpack() fails ("too many results") beyond a few thousand values, and a parallel unwind or an
+-- operator command can change every record of a big workflow at once: send long runs in slices.
+local function sliced(command, key, first, count)
+  local last = first + count - 1
+  for from = first, last, 2000 do
+    redis.call(command, key, unpack(ARGV, from, math.min(from + 1999, last)))
+  end
+  return first + count
+end
 local i = 8
-if nstate > 0 then
-  redis.call('HSET', state, unpack(ARGV, i, i + 2 * nstate - 1))
-  i = i + 2 * nstate
-end
-if ncomp > 0 then
-  redis.call('HSET', comp, unpack(ARGV, i, i + 2 * ncomp - 1))
-  i = i + 2 * ncomp
-end
-if nsteps > 0 then
-  redis.call('RPUSH', steps, unpack(ARGV, i, i + nsteps - 1))
-  i = i + nsteps
-end
+i = sliced('HSET', state, i, 2 * nstate)
+i = sliced('HSET', comp, i, 2 * ncomp)
+i = sliced('RPUSH', steps, i, nsteps)
 for _ = 1, nlog do
   local nfields = tonumber(ARGV[i])
   redis.call('XADD', log, 'MAXLEN', '~', logmax, '*', unpack(ARGV, i + 1, i + 2 * nfields))
