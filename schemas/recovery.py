@@ -30,7 +30,7 @@ class CompensatingOperation(BaseModel):
     @field_validator("operation_id")
     @classmethod
     def _tool_name(cls, value: str) -> str:
-        if not TOOL_NAME.match(value):
+        if not TOOL_NAME.fullmatch(value):  # `$` alone would let "undo\n" through
             raise ValueError(f"{value!r} is not a valid MCP tool name (1-128 of A-Z a-z 0-9 _ - .)")
         return value
 
