@@ -1,0 +1,215 @@
+"""SessionPool against real MCP server processes, over stdio and streamable HTTP.
+
+`SCRATCH` is a tiny server (run with `python -c`) with the misbehaviours the example servers do
+not have: a tool that hangs, one that kills its own process, and a gate that holds a call until
+the test opens it (the lease test in test_worker_job uses it).
+"""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+from processes import REPO, free_port, start_http_server, stop, wait_until_accepting
+
+from saga.config import ServerConfig
+from workers.sessions import CallTimeout, SessionPool, TransportError, UnknownServer
+
+SCRATCH = """
+import asyncio, os, sys
+from mcp.server.mcpserver import MCPServer
+from saga.recovery_wire import compensation, recoverable_tool
+
+app = MCPServer("scratch", log_level="WARNING")
+
+@app.tool()
+async def slow(seconds: float) -> str:
+    await asyncio.sleep(seconds)
+    return "done"
+
+@app.tool()
+def die() -> str:
+    os._exit(3)
+
+@app.tool()
+def pid() -> int:
+    return os.getpid()
+
+@recoverable_tool(app, compensation("release", gate="$request.body#/gate"))
+def grab(gate: str) -> str:
+    return gate
+
+@app.tool()
+async def release(gate: str, idempotencyKey: str | None = None) -> str:
+    with open(gate + ".log", "a") as log:
+        log.write(f"enter {idempotencyKey}\\n")
+    while not os.path.exists(gate):
+        await asyncio.sleep(0.02)
+    return "released"
+
+if len(sys.argv) > 1:
+    app.run("streamable-http", port=int(sys.argv[1]))
+else:
+    app.run()
+"""
+
+
+def scratch_stdio(**settings: object) -> ServerConfig:
+    return ServerConfig(command=[sys.executable, "-c", SCRATCH], cwd=str(REPO), **settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def scratch_http() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SCRATCH, str(port)], cwd=REPO, stderr=subprocess.DEVNULL)
+    try:
+        wait_until_accepting("127.0.0.1", port, proc)
+        yield proc, f"http://127.0.0.1:{port}/mcp"
+    finally:
+        stop(proc)
+
+
+@pytest.fixture
+def trivial_http() -> Iterator[str]:
+    with start_http_server("examples.trivial") as (_, url):
+        yield url
+
+
+def test_one_warm_session_per_server_over_stdio_and_http(trivial_http: str) -> None:
+    servers = {
+        "stdio": ServerConfig(command=[sys.executable, "-m", "examples.trivial"], cwd=str(REPO)),
+        "http": ServerConfig(url=trivial_http),
+    }
+    with SessionPool(servers) as pool:
+        for name in servers:
+            results = [pool.call_tool(name, "noop", {"n": n}) for n in range(20)]
+            assert [r["structuredContent"] for r in results] == [{"n": n} for n in range(20)]
+            assert results[0]["isError"] is False  # wire form: camelCase, as events carry it
+            declarations = pool.tools(name)
+            assert declarations["noop"].parsed_recovery().compensating_operation.operation_id == "noop_undo"
+            assert declarations["noop_undo"].declares_argument("idempotencyKey")
+            assert pool.connects(name) == 1
+
+
+def test_calls_from_many_threads_share_the_session() -> None:
+    with SessionPool({"s": scratch_stdio()}) as pool:
+        pids: list[int] = []
+        threads = [
+            threading.Thread(target=lambda: pids.append(pool.call_tool("s", "pid")["structuredContent"]["result"]))
+            for _ in range(8)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(pids) == 8 and len(set(pids)) == 1
+        assert pool.connects("s") == 1
+
+
+def test_a_call_past_its_timeout_raises_call_timeout_and_the_session_stays_usable() -> None:
+    with SessionPool({"s": scratch_stdio()}) as pool:
+        pool.call_tool("s", "pid")
+        with pytest.raises(CallTimeout) as caught:
+            pool.call_tool("s", "slow", {"seconds": 30}, timeout=0.3)
+        assert caught.value.retryable
+        assert pool.call_tool("s", "slow", {"seconds": 0})["structuredContent"] == {"result": "done"}
+        assert pool.connects("s") == 1
+
+
+def test_a_stdio_server_that_dies_is_a_transport_error_then_a_fresh_session() -> None:
+    with SessionPool({"s": scratch_stdio()}) as pool:
+        first = pool.call_tool("s", "pid")["structuredContent"]["result"]
+        with pytest.raises(TransportError) as caught:
+            pool.call_tool("s", "die")
+        assert caught.value.retryable and "Connection closed" in str(caught.value)
+        second = pool.call_tool("s", "pid")["structuredContent"]["result"]
+        assert second != first and pool.connects("s") == 2
+
+
+def test_an_http_server_down_then_up_again(scratch_http: tuple[subprocess.Popen[bytes], str]) -> None:
+    proc, url = scratch_http
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with SessionPool({"h": ServerConfig(url=url, timeout=5)}) as pool:
+        pool.call_tool("h", "pid")
+        stop(proc)
+        for _ in range(2):  # a broken session, then a refused reconnect: both retryable
+            with pytest.raises(TransportError, match="ConnectError"):
+                pool.call_tool("h", "pid")
+        again = subprocess.Popen([sys.executable, "-c", SCRATCH, str(port)], cwd=REPO, stderr=subprocess.DEVNULL)
+        try:
+            wait_until_accepting("127.0.0.1", port, again)
+            assert pool.call_tool("h", "slow", {"seconds": 0})["structuredContent"] == {"result": "done"}
+        finally:
+            stop(again)
+
+
+def test_a_server_that_never_answers_is_a_timeout() -> None:
+    """Accepts the connection, reads the request, says nothing: the call must not hang the job."""
+    with _Recorder(answer=False) as recorder:
+        mute = ServerConfig(url=recorder.url, timeout=0.5)
+        with SessionPool({"mute": mute}) as pool, pytest.raises(CallTimeout):
+            pool.call_tool("mute", "noop")
+
+
+def test_http_headers_come_from_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SAGA_TEST_TOKEN", "Bearer s3cret")
+    with _Recorder(answer=True) as recorder:
+        config = ServerConfig(url=recorder.url, headers_from_env={"Authorization": "SAGA_TEST_TOKEN"}, timeout=5)
+        with SessionPool({"api": config}) as pool, pytest.raises(TransportError):
+            pool.call_tool("api", "noop")  # the recorder answers 500: no session, but we saw the request
+    assert recorder.headers and all(h.get("Authorization") == "Bearer s3cret" for h in recorder.headers)
+
+
+def test_unknown_servers_are_refused_without_connecting() -> None:
+    with SessionPool({}) as pool, pytest.raises(UnknownServer):
+        pool.call_tool("http://127.0.0.1:1/mcp", "noop")
+
+
+def test_close_is_idempotent_and_final() -> None:
+    pool = SessionPool({"s": scratch_stdio()})
+    pool.call_tool("s", "pid")
+    pool.close()
+    pool.close()
+    with pytest.raises(TransportError):
+        pool.call_tool("s", "pid")
+
+
+class _Recorder:
+    """An HTTP endpoint that records request headers and answers 500, or never answers at all."""
+
+    def __init__(self, answer: bool):
+        self.headers: list[dict[str, str]] = []
+        self.release = threading.Event()
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                recorder.headers.append(dict(self.headers))
+                if not answer:
+                    recorder.release.wait(10)
+                    return
+                self.send_response(500)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_DELETE = do_POST
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/mcp"
+
+    def __enter__(self) -> _Recorder:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()

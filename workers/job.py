@@ -1,0 +1,272 @@
+"""The RQ job: perform one compensation over MCP and report every attempt on `saga:events`.
+
+The coordinator owns workflow state; this job only reads the compensation record, holds a short
+lease so that two workers never run the same compensation at once, calls the tool with the
+compensation's idempotency key, and XADDs what happened. Delivery is at least once (RQ retries,
+the coordinator's watchdog re-dispatches, a worker may die between the call and its report), so
+the key, identical on every attempt, is what makes the effect happen once.
+
+Retries are RQ's: a retryable failure that is not the last attempt is reported and then raised
+as `RetryableFailure`, so RQ schedules the next attempt with the job's backoff; every other
+outcome is reported as final and returns normally, so RQ does not retry it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from redis import Redis
+from rq import get_current_job
+from rq.job import Job
+
+from saga.config import Config, WorkerSettings, load_config
+from saga.keys import Keys
+from saga.recovery_wire import IDEMPOTENCY_META_KEY, ToolDeclaration
+from schemas.events import (
+    CompensationFailed,
+    CompensationRefused,
+    CompensationSucceeded,
+    Payload,
+    entry_fields,
+)
+from schemas.records import SETTLED, Compensation, CompensationJob, arguments_digest, comp_decoder, job_decoder
+from workers import trust
+from workers.sessions import SessionError, SessionPool
+
+log = logging.getLogger(__name__)
+
+# Test-only: SIGKILL this worker right after the tool call returns, before its report.
+CRASH_AFTER_CALL_ENV = "SAGA_TEST_CRASH_AFTER_CALL"
+KEY_ARGUMENTS = ("idempotencyKey", "idempotency_key")
+# Reports must stay inside the wire contract's caps (`Text` fields, MAX_DATA_BYTES) or the
+# coordinator dead-letters them.
+MAX_TEXT = 4000
+MAX_RESULT_BYTES = 64 * 1024
+
+# The SDK reports an unknown tool and rejected arguments as ordinary `isError` results; these
+# are the texts it uses, and no retry can change them.
+_PERMANENT = re.compile(r"^(Unknown tool: |Error executing tool \S+: \d+ validation errors? for \S+Arguments)")
+
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+class RetryableFailure(Exception):
+    """Raised after reporting a failure that the next attempt may fix: RQ schedules that attempt."""
+
+
+@dataclass
+class WorkerContext:
+    """What a worker process sets up once, so that no job connects anything."""
+
+    redis: Redis
+    config: Config
+    pool: SessionPool
+    name: str
+
+
+_context: WorkerContext | None = None
+
+
+def set_context(redis: Redis, config: Config, pool: SessionPool, name: str) -> None:
+    global _context
+    _context = WorkerContext(redis, config, pool, name)
+
+
+def clear_context() -> None:
+    global _context
+    _context = None
+
+
+def _current_context(rq_job: Job | None) -> WorkerContext:
+    """The process's context; under a plain `rq worker` one is built from `SAGA_CONFIG` on first use."""
+    if _context is None:
+        if rq_job is None:
+            raise RuntimeError("workers.job.compensate runs inside an RQ worker (or after set_context)")
+        config = load_config()
+        log.warning("no worker context: built one from SAGA_CONFIG; use `saga worker` to keep sessions warm")
+        set_context(rq_job.connection, config, SessionPool(config.servers, tools_ttl=config.worker.tools_ttl), "rq")
+    assert _context is not None
+    return _context
+
+
+def attempt_of(rq_job: Job | None, settings: WorkerSettings) -> tuple[int, int]:
+    """(attempt number from 1, retries left after this one), from RQ's own bookkeeping.
+
+    RQ keeps `retries_left` but not the Retry's `max`; `enqueue` gives one interval per retry,
+    so their count is the max (the configured attempts are the fallback for foreign jobs).
+    """
+    if rq_job is None or not rq_job.retries_left:
+        planned = len(rq_job.retry_intervals or ()) if rq_job else 0
+        return planned + 1, 0
+    left = rq_job.retries_left
+    planned = next(n for n in (len(rq_job.retry_intervals or ()), settings.attempts - 1, left) if n >= left)
+    return planned - left + 1, left
+
+
+def compensate(payload: str) -> str:
+    """Perform one dispatch of one compensation; returns what happened, for `rq info` and dashboards."""
+    job = job_decoder.decode(payload)
+    rq_job = get_current_job()
+    ctx = _current_context(rq_job)
+    return _Attempt(ctx, job, rq_job).run()
+
+
+class _Attempt:
+    def __init__(self, ctx: WorkerContext, job: CompensationJob, rq_job: Job | None):
+        self.ctx, self.job, self.keys = ctx, job, Keys(job.prefix)
+        self.attempt, self.retries_left = attempt_of(rq_job, ctx.config.worker)
+        self.lease_key = self.keys.lease(job.workflow, job.step)
+        self.token = f"{ctx.name}:{uuid.uuid4().hex}"
+        self.started = time.monotonic()
+
+    def run(self) -> str:
+        job, redis = self.job, self.ctx.redis
+        # The lease and the record in one round trip: taking a lease we then drop costs nothing.
+        with redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.lease_key, self.token, nx=True, px=int(self.ctx.config.worker.lease * 1000))
+            pipe.hget(self.keys.comp(job.workflow), job.step)
+            leased, raw = pipe.execute()
+        record = comp_decoder.decode(raw) if raw else None
+        skip = self._skip_reason(record)
+        if skip or not leased:
+            if leased:
+                self._release()
+            outcome = skip or "leased by another worker, which is on it"
+            self._log(logging.INFO, "skipped", reason=outcome)
+            return f"skipped: {outcome}"
+        assert record is not None
+        try:
+            return self._perform(record)
+        finally:
+            self._release()
+
+    def _skip_reason(self, record: Compensation | None) -> str | None:
+        if record is None:
+            return "no compensation record (the workflow expired or was never planned)"
+        if record.status in SETTLED:
+            return f"already {record.status}"
+        if record.dispatch > self.job.dispatch:
+            return f"stale dispatch {self.job.dispatch}; the record is at dispatch {record.dispatch}"
+        return None
+
+    def _perform(self, record: Compensation) -> str:
+        job, pool = self.job, self.ctx.pool
+        try:
+            refusal, tools = self._vet(record)
+            if refusal is not None:
+                payload = CompensationRefused(**self._fields(final=True), status=refusal.status, reason=refusal.reason)
+                self._report(payload)
+                self._log(logging.WARNING, "refused", status=refusal.status, reason=refusal.reason)
+                return f"refused: {refusal.status}: {refusal.reason}"
+            declaration = tools[job.operation_id]
+            arguments = self._arguments(declaration)
+            missing = [name for name in declaration.input_schema.get("required", []) if name not in arguments]
+            if missing:
+                return self._failed(f"{job.operation_id}: missing required arguments: {', '.join(missing)}", False)
+            meta = {IDEMPOTENCY_META_KEY: job.idempotency_key}
+            timeout = self.ctx.config.servers[job.server].timeout
+            result = pool.call_tool(job.server, job.operation_id, arguments, meta, timeout)
+        except SessionError as exc:
+            return self._failed(str(exc), exc.retryable)
+        if os.environ.get(CRASH_AFTER_CALL_ENV) == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if result.get("isError"):
+            text = _text(result) or "isError result without text"
+            return self._failed(text, not _PERMANENT.match(text))
+        self._report(CompensationSucceeded(**self._fields(final=True), result=_bounded(result)))
+        self._log(logging.INFO, "succeeded")
+        return "succeeded"
+
+    def _vet(self, record: Compensation) -> tuple[trust.Refusal | None, dict[str, ToolDeclaration]]:
+        """Trust checks; the server is asked for its tools only once the request itself passes."""
+        job, config, pool = self.job, self.ctx.config, self.ctx.pool
+        refusal = trust.check_request(job, record, config)
+        if refusal is not None:
+            return refusal, {}
+        tools = pool.tools(job.server)
+        refusal = trust.check_live(job, record, config, tools)
+        if refusal is not None:  # the cached listing may predate a change on the server: ask once more
+            tools = pool.tools(job.server, refresh=True)
+            refusal = trust.check_live(job, record, config, tools)
+        return refusal, tools
+
+    def _arguments(self, declaration: ToolDeclaration) -> dict[str, Any]:
+        """The resolved arguments, plus the key where the tool's schema has a place for it."""
+        arguments = dict(self.job.arguments)
+        for name in KEY_ARGUMENTS:
+            if declaration.declares_argument(name):
+                arguments.setdefault(name, self.job.idempotency_key)
+        return arguments
+
+    def _failed(self, error: str, retryable: bool) -> str:
+        final = not retryable or self.retries_left == 0
+        report = CompensationFailed(**self._fields(final=final), error=error[:MAX_TEXT], retryable=retryable)
+        self._report(report)
+        self._log(logging.WARNING if final else logging.INFO, "failed", retryable=retryable, final=final, error=error)
+        if not final:
+            raise RetryableFailure(error)
+        return f"failed: {error[:200]}"
+
+    def _fields(self, *, final: bool) -> dict[str, Any]:
+        job = self.job
+        return {
+            "step": job.step,
+            "dispatch": job.dispatch,
+            "attempt": self.attempt,
+            "final": final,
+            "server": job.server,
+            "operation_id": job.operation_id,
+            "idempotency_key": job.idempotency_key,
+            "arguments_digest": arguments_digest(job.arguments),
+            "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
+            "worker": self.ctx.name,
+        }
+
+    def _report(self, payload: Payload) -> None:
+        self.ctx.redis.xadd(self.keys.events, entry_fields(self.job.workflow, payload))  # type: ignore[arg-type]
+
+    def _release(self) -> None:
+        self.ctx.redis.eval(_RELEASE, 1, self.lease_key, self.token)
+
+    def _log(self, level: int, event: str, **fields: Any) -> None:
+        job = self.job
+        context = {
+            "workflow": job.workflow,
+            "step": job.step,
+            "dispatch": job.dispatch,
+            "attempt": self.attempt,
+            "server": job.server,
+            "operation": job.operation_id,
+            **fields,
+        }
+        text = " ".join(f"{k}={_logfmt(v)}" for k, v in context.items())
+        log.log(level, "compensation %s %s", event, text, extra={"saga": {"event": event, **context}})
+
+
+def _text(result: dict[str, Any]) -> str:
+    blocks = result.get("content") or []
+    return "\n".join(b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text").strip()
+
+
+def _bounded(result: dict[str, Any]) -> dict[str, Any]:
+    """The result as reported; a huge one is cut down so that the report stays within the contract."""
+    size = len(msgspec.json.encode(result))
+    if size <= MAX_RESULT_BYTES:
+        return result
+    return {"isError": False, "truncated": True, "bytes": size, "text": _text(result)[:MAX_TEXT]}
+
+
+def _logfmt(value: Any) -> str:
+    text = str(value)
+    return repr(text[:300]) if not text or any(c in text for c in ' ="\n') else text

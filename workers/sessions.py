@@ -1,0 +1,341 @@
+"""Warm MCP sessions for synchronous code (the RQ job), one per configured server.
+
+Connecting costs 0.6-0.9 s for a stdio server and a warm call about 2 ms, so a worker keeps its
+sessions open across jobs. The SDK's sessions are anyio-based and must be closed by the task that
+opened them, so each server gets one long-lived owner task on a private event loop in a background
+thread: it holds `async with Client(...)` and serves requests from a queue, each as its own task.
+Sync callers submit with `run_coroutine_threadsafe` and block on the answer.
+
+Failures come back as `SessionError`s that say whether trying again can help: the job classifies
+them, the pool only reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import httpx2
+from mcp import Client, MCPError, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CONNECTION_CLOSED, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND
+
+from saga.config import ServerConfig
+from saga.recovery_wire import ToolDeclaration, read_tool_declarations
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A streamable HTTP response may be an SSE stream the server holds open while the tool runs.
+HTTP_READ_TIMEOUT = 300.0
+
+
+class SessionError(Exception):
+    """A call that did not produce a result; `retryable` says whether the same call may yet work."""
+
+    retryable = True
+
+
+class TransportError(SessionError):
+    """The connection failed or broke; the owner reconnects, the call may be retried."""
+
+
+class CallTimeout(SessionError):
+    """No answer within the server's timeout; the call may still have taken effect."""
+
+
+class ProtocolError(SessionError):
+    """The server answered with a JSON-RPC error instead of a result."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(f"MCP error {code}: {message}")
+        self.code = code
+        # The same request cannot fix a method the server does not have or params it rejects.
+        self.retryable = code not in (METHOD_NOT_FOUND, INVALID_PARAMS)
+
+
+class InvalidResult(SessionError):
+    """The result broke the tool's own output schema: asking again returns the same result."""
+
+    retryable = False
+
+
+class UnknownServer(SessionError):
+    """The name is not in this worker's registry; workers never call servers named only by events."""
+
+    retryable = False
+
+
+class _Reconnect(Exception):
+    """Raised inside the owner's task group to drop a session the server has closed."""
+
+
+_CLOSE = object()
+
+
+@dataclass(eq=False)
+class _Request:
+    run: Callable[[Client], Awaitable[Any]]
+    future: asyncio.Future[Any]
+
+
+class _Owner:
+    """The one task that opens, uses and closes a server's session, reconnecting after failures."""
+
+    def __init__(self, name: str, config: ServerConfig, *, backoff: tuple[float, float] = (0.1, 2.0)):
+        self.name, self.config = name, config
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+        self.backoff = backoff
+        self.delay = 0.0
+        self.connects = 0
+        self.tools: tuple[float, dict[str, ToolDeclaration]] | None = None
+        self.inflight: set[_Request] = set()
+
+    def submit(self, request: _Request | object) -> None:
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self.own(), name=f"mcp-session:{self.name}")
+        self.queue.put_nowait(request)
+
+    async def own(self) -> None:
+        while True:
+            request = await self.queue.get()  # connect lazily, when there is work
+            if request is _CLOSE:
+                return
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            try:
+                if await self.serve(request):
+                    return
+            except Exception as exc:
+                error = TransportError(f"{self.name}: {_describe(exc)}")
+                self.tools = None
+                self.delay = min(self.backoff[1], self.delay * 2 or self.backoff[0])
+                log.warning("mcp session %s failed: %s; reconnecting in %.1fs", self.name, error, self.delay)
+                for pending in (request, *self.inflight):
+                    _fail(pending, error)
+                self.inflight.clear()
+
+    async def serve(self, first: _Request) -> bool:
+        """Connect, then serve until closed (True) or the session breaks (raises)."""
+        with anyio.CancelScope() as connecting:
+            timer = asyncio.get_running_loop().call_later(self.config.timeout, connecting.cancel)
+            async with self.client() as client, anyio.create_task_group() as tasks:
+                timer.cancel()
+                self.connects += 1
+                self.delay = 0.0
+                log.info("mcp session %s connected (%s)", self.name, self.target())
+                request = first
+                while request is not _CLOSE:
+                    tasks.start_soon(self.run, client, request)
+                    request = await self.queue.get()
+                tasks.cancel_scope.cancel()
+            for pending in self.inflight:
+                _fail(pending, TransportError(f"{self.name}: session closed during the call"))
+            return True
+        raise TimeoutError(f"no session within {self.config.timeout:g}s")
+
+    async def run(self, client: Client, request: _Request) -> None:
+        if request.future.done():  # the caller gave up while it waited
+            return
+        self.inflight.add(request)
+        with anyio.CancelScope() as scope:
+            request.future.add_done_callback(lambda _: scope.cancel())
+            try:
+                result = await request.run(client)
+            except MCPError as exc:
+                if exc.code == CONNECTION_CLOSED or (exc.code == INVALID_REQUEST and "terminated" in str(exc)):
+                    _fail(request, TransportError(f"{self.name}: {exc}"))
+                    raise _Reconnect from exc
+                _fail(request, ProtocolError(exc.code, str(exc)))
+            except (RuntimeError, ValueError) as exc:  # the SDK's output-schema and model validation
+                _fail(request, InvalidResult(f"{self.name}: {exc}"))
+            except Exception as exc:
+                _fail(request, TransportError(f"{self.name}: {_describe(exc)}"))
+                raise
+            else:
+                if not request.future.done():
+                    request.future.set_result(result)
+        # Not reached when the session broke under the call: `own` fails it with the cause.
+        self.inflight.discard(request)
+
+    def client(self) -> Client:
+        if self.config.url is not None:
+            return Client(_http_transport(self.config.url, self.config.headers(), self.config.timeout), cache=None)
+        command = self.config.command or []
+        params = StdioServerParameters(
+            command=command[0], args=command[1:], env=self.config.env or None, cwd=self.config.cwd
+        )
+        return Client(params, cache=None)
+
+    def target(self) -> str:
+        target = self.config.url or " ".join(self.config.command or [])
+        return target if len(target) <= 120 else target[:117] + "..."
+
+
+@contextlib.asynccontextmanager
+async def _http_transport(url: str, headers: dict[str, str], timeout: float) -> AsyncIterator[Any]:
+    """Streamable HTTP with headers: the SDK takes them only through a caller-owned httpx client."""
+    limits = httpx2.Timeout(timeout, read=max(timeout, HTTP_READ_TIMEOUT))
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=limits) as http,
+        streamable_http_client(url, http_client=http) as streams,
+    ):
+        yield streams
+
+
+def _fail(request: Any, error: SessionError) -> None:
+    if isinstance(request, _Request) and not request.future.done():
+        request.future.set_exception(error)
+
+
+def _describe(exc: BaseException) -> str:
+    """The innermost messages of an exception group: the connect error, not "unhandled errors"."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(inner) for inner in exc.exceptions)
+    if isinstance(exc, _Reconnect) and exc.__cause__ is not None:
+        return _describe(exc.__cause__)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class SessionPool:
+    """One warm session per configured server, usable from any thread.
+
+    Nothing connects until a server is first used, so a worker that starts while a server is down
+    still starts; the loop thread itself also starts on first use (RQ forks its scheduler at start,
+    and a fork should not copy a running event loop).
+    """
+
+    def __init__(self, servers: dict[str, ServerConfig], *, tools_ttl: float = 30.0):
+        self.servers = dict(servers)
+        self.tools_ttl = tools_ttl
+        self._owners: dict[str, _Owner] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def call_tool(
+        self,
+        server: str,
+        name: str,
+        arguments: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """The CallToolResult as on the wire (camelCase); `isError` results are results, not errors."""
+
+        async def call(client: Client) -> dict[str, Any]:
+            result = await client.call_tool(name, arguments or {}, meta=meta)
+            return result.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+        return self._submit(server, call, timeout)
+
+    def tools(self, server: str, *, refresh: bool = False) -> dict[str, ToolDeclaration]:
+        """The server's live `tools/list`, recovery declarations included, cached `tools_ttl` seconds."""
+        return self._run(self._tools(server, refresh), self._config(server).timeout)
+
+    def connects(self, server: str) -> int:
+        """How many times the server was connected (for tests and the benchmark)."""
+        owner = self._owners.get(server)
+        return owner.connects if owner else 0
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close every session from its owning task, then stop the loop thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._close_all(), loop).result(timeout)
+        except Exception:
+            log.exception("closing mcp sessions")
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+
+    def __enter__(self) -> SessionPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Loop side.
+
+    async def _tools(self, server: str, refresh: bool) -> dict[str, ToolDeclaration]:
+        owner = self._owner(server)
+        if owner.tools and not refresh and time.monotonic() < owner.tools[0]:
+            return owner.tools[1]
+        declarations = await self._request(owner, read_tool_declarations, owner.config.timeout)
+        owner.tools = (time.monotonic() + self.tools_ttl, declarations)
+        return declarations
+
+    async def _request(self, owner: _Owner, run: Callable[[Client], Awaitable[T]], timeout: float) -> T:
+        request = _Request(run, asyncio.get_running_loop().create_future())
+        owner.submit(request)
+        try:
+            return await asyncio.wait_for(request.future, timeout)
+        except TimeoutError:
+            raise CallTimeout(f"{owner.name}: no answer within {timeout:g}s") from None
+
+    async def _close_all(self) -> None:
+        tasks = []
+        for owner in self._owners.values():
+            if owner.task is not None and not owner.task.done():
+                owner.queue.put_nowait(_CLOSE)
+                tasks.append(owner.task)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _owner(self, server: str) -> _Owner:
+        config = self._config(server)
+        with self._lock:
+            owner = self._owners.get(server)
+            if owner is None:
+                owner = self._owners[server] = _Owner(server, config)
+            return owner
+
+    # Thread side.
+
+    def _submit(self, server: str, run: Callable[[Client], Awaitable[T]], timeout: float | None) -> T:
+        timeout = timeout or self._config(server).timeout
+        return self._run(self._request(self._owner(server), run, timeout), timeout)
+
+    def _run(self, coro: Awaitable[T], timeout: float) -> T:
+        try:
+            loop = self._ensure_loop()
+        except TransportError:
+            coro.close()  # type: ignore[attr-defined]
+            raise
+        future = asyncio.run_coroutine_threadsafe(coro, loop)  # type: ignore[arg-type]
+        try:
+            # The coroutine enforces `timeout`; the margin only guards against a stuck loop.
+            return future.result(timeout + 5.0)
+        except TimeoutError:
+            raise CallTimeout(f"event loop did not answer within {timeout:g}s") from None
+        finally:
+            future.cancel()  # an RQ job timeout interrupts us here: do not leave the call running
+
+    def _config(self, server: str) -> ServerConfig:
+        config = self.servers.get(server)
+        if config is None:
+            raise UnknownServer(f"server {server!r} is not in this worker's registry")
+        return config
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._closed:
+                raise TransportError("session pool is closed")
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever, name="mcp-sessions", daemon=True)
+                self._thread.start()
+            return self._loop

@@ -1,0 +1,91 @@
+"""The trust checks of SEP-3172 section 8, as pure functions a test can call without I/O.
+
+A compensation is an automatic, possibly destructive call chosen from metadata a server
+published and an event an orchestrator wrote, so nothing in the job is taken on faith: the
+server must be one this worker was configured with, the call goes to the server the original
+step ran on, and the server must still, right now, list the operation and declare it as the
+undo of that step's tool. The policy then decides whether a human has to say yes first.
+
+`check_request` needs only the job, the stored record and the config, so a refusal it finds
+never costs a connection; `check_live` needs the server's current `tools/list`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from saga.config import Config
+from saga.recovery_wire import ToolDeclaration
+from schemas.records import Compensation, CompensationJob
+from schemas.recovery import Recovery
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a compensation will not run (yet): the step's next status and the operator's reason."""
+
+    status: Literal["awaiting-approval", "unrecoverable"]
+    reason: str
+
+
+def _refuse(reason: str) -> Refusal:
+    return Refusal("unrecoverable", reason)
+
+
+def check_request(job: CompensationJob, record: Compensation, config: Config) -> Refusal | None:
+    """Registry, job-against-record and policy checks: everything that needs no server."""
+    server, operation = job.server, job.operation_id
+    if ":" in server or "/" in server:
+        return _refuse(f"server {server[:200]!r} looks like an address; workers call servers by registry name only")
+    if server not in config.servers:
+        return _refuse(f"server {server!r} is not in this worker's registry")
+    if server != record.server:
+        return _refuse(f"job targets server {server!r}, but step {record.step!r} ran on {record.server!r}")
+    if operation != record.operation_id:
+        return _refuse(f"job names operation {operation!r}, but the plan says {record.operation_id!r}")
+    if job.idempotency_key != record.idempotency_key:
+        return _refuse("job carries a different idempotency key than the plan")
+    if operation == record.tool:
+        return _refuse(f"compensation of {record.tool!r} would call {record.tool!r} itself again")
+    decision = config.policy.decide(server, operation)
+    if decision == "deny":
+        return _refuse(f"policy denies {server}:{operation}")
+    if decision == "approval" and not record.approved:
+        return Refusal("awaiting-approval", f"policy requires approval for {server}:{operation}")
+    return None
+
+
+def check_live(
+    job: CompensationJob, record: Compensation, config: Config, tools: Mapping[str, ToolDeclaration]
+) -> Refusal | None:
+    """The server, as it is now, must list the operation and still declare it as the undo."""
+    server, operation, tool = job.server, job.operation_id, record.tool
+    if operation not in tools:
+        return _refuse(f"{server} does not list {operation!r} in tools/list")
+    if record.source == "overlay":
+        return _names(config.overlay(server, tool), operation, f"the config's recovery overlay for {server}:{tool}")
+    declaration = tools.get(tool)
+    if declaration is None:
+        return _refuse(f"{server} no longer lists {tool!r}, so its declared compensation cannot be confirmed")
+    if declaration.problem and declaration.parsed_recovery() is None:
+        return _refuse(f"{server}:{tool}: {declaration.problem}")
+    return _names(declaration.parsed_recovery(), operation, f"{server}:{tool}'s live recovery declaration")
+
+
+def check(
+    job: CompensationJob, record: Compensation, config: Config, tools: Mapping[str, ToolDeclaration]
+) -> Refusal | None:
+    return check_request(job, record, config) or check_live(job, record, config, tools)
+
+
+def _names(recovery: Recovery | None, operation: str, where: str) -> Refusal | None:
+    if recovery is None:
+        return _refuse(f"{where} is gone: no compensation is declared any more")
+    if not recovery.supported:
+        return _refuse(f"{where}: {recovery.unsupported_reason()}")
+    declared = recovery.compensating_operation.operation_id  # type: ignore[union-attr]
+    if declared != operation:
+        return _refuse(f"{where} names {declared!r} now, not {operation!r}")
+    return None
