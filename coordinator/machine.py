@@ -229,7 +229,7 @@ class Machine:
         comp = view.comps.get(data.step)
         if comp is None:
             raise Rejected(f"report for step {data.step!r}, which has no compensation record")
-        if comp.dispatch == 0 or data.dispatch > comp.dispatch:
+        if not 1 <= data.dispatch <= comp.dispatch:
             # No worker was ever handed that dispatch: believing it would mark a step undone (or
             # failed) that nobody tried to undo.
             raise Rejected(
