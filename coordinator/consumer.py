@@ -20,7 +20,7 @@ from redis import Redis
 from redis.exceptions import ResponseError
 
 from saga.config import Config
-from saga.keys import Keys
+from saga.keys import DEAD_AT, DEAD_ID, DEAD_REASON, Keys
 from saga.logs import get_logger
 from schemas.events import Event, InvalidEvent, StepCompleted, decode_entry
 from workers.queue import enqueue, queue_for
@@ -225,7 +225,7 @@ class Coordinator:
         def add(pipe) -> None:  # type: ignore[no-untyped-def]
             for entry_id, fields, reason in dead:
                 # Original fields kept under their own names; ours prefixed so they never collide.
-                record = {b"dead.reason": reason.encode(), b"dead.id": entry_id, b"dead.at": f"{time.time():.3f}"}
+                record = {DEAD_REASON: reason.encode(), DEAD_ID: entry_id, DEAD_AT: f"{time.time():.3f}"}
                 record.update({k: v for k, v in fields.items() if not k.startswith(b"dead.")})
                 pipe.xadd(self.keys.dead_letter, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
 

@@ -310,8 +310,9 @@ class Machine:
             comp.reason = data.note or comp.reason
             view.put(comp, now)
             touched.append(comp.step)
-        if data.step and not touched:
-            return  # already in the state the operator asked for: a repeated command
+        if data.step and not touched:  # already as the operator asked (a repeat): say so, change nothing
+            view.note(f"{kind}-ignored", now, data.step, by=data.by, detail=f"step is {view.comps[data.step].status}")
+            return
         view.note(kind, now, data.step, by=data.by, note=data.note, steps=",".join(touched))
         if touched and state.status in ("compensated", "needs-attention"):
             state.status = "compensating"

@@ -83,7 +83,8 @@ class Policy(_Strict):
 
 class CoordinatorSettings(_Strict):
     batch: int = Field(default=100, ge=1, le=10_000)
-    block_ms: int = Field(default=1000, ge=1)
+    # Below redis-py's default 5 s socket timeout, which would cut a longer blocking read.
+    block_ms: int = Field(default=1000, ge=1, le=4000)
     claim_idle_ms: int = Field(default=30_000, ge=100)
     # Seconds a dispatched compensation may go without a report before it is dispatched again.
     watchdog_after: float = Field(default=120.0, gt=0)

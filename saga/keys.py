@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Fields a dead-letter entry adds beside the original entry's own (prefixed so they never collide).
+DEAD_REASON, DEAD_ID, DEAD_AT = "dead.reason", "dead.id", "dead.at"
+
 STATUSES = ("running", "failed", "compensating", "compensated", "needs-attention", "completed")
 
 

@@ -29,7 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from saga import render
 from saga.cli import CliError, config_of, redis_url
 from saga.config import Config
-from saga.keys import STATUSES, Keys
+from saga.keys import DEAD_AT, DEAD_ID, DEAD_REASON, STATUSES, Keys
 from schemas.events import (
     STEP_ID,
     WORKFLOW_ID,
@@ -465,8 +465,8 @@ def _await_applied(
                 return "applied"
         for entry_id, fields in ops.r.xrange(ops.keys.dead_letter, min=f"({dead_mark}" if dead_mark else "-"):
             dead_mark = entry_id.decode()
-            if fields.get(b"dead.id", b"").decode() == sent:
-                reason = fields.get(b"dead.reason", b"").decode(errors="replace")
+            if fields.get(DEAD_ID.encode(), b"").decode() == sent:
+                reason = fields.get(DEAD_REASON.encode(), b"").decode(errors="replace")
                 raise CliError(f"sent as {sent}, but the coordinator rejected it: {reason}")
         if taken:
             return "unchanged"
@@ -543,9 +543,9 @@ def cmd_dead_letters(ops: Ops) -> int:
         entries.append(
             {
                 "id": entry_id.decode(),
-                "at": data.pop("dead.at", None),
-                "reason": data.pop("dead.reason", ""),
-                "originalId": data.pop("dead.id", None),
+                "at": data.pop(DEAD_AT, None),
+                "reason": data.pop(DEAD_REASON, ""),
+                "originalId": data.pop(DEAD_ID, None),
                 "fields": data,
             }
         )
