@@ -18,6 +18,11 @@ WIRE_VERSION = 1
 # A documented cap: an entry's `data` larger than this is dead-lettered, which keeps one hostile
 # publisher from making the coordinator hold megabytes per step.
 MAX_DATA_BYTES = 256 * 1024
+# Also documented: JSON nested deeper than this inside `data` is dead-lettered. The coordinator
+# re-encodes what it keeps (plans, jobs, templates) further down the stack than it decodes, so a
+# value just inside msgspec's own recursion guard would pass here and raise RecursionError later,
+# with the entry never acknowledged: every coordinator that claimed it would crash.
+MAX_DEPTH = 128
 
 WORKFLOW_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$"
 STEP_ID = r"^[A-Za-z0-9._:-]{1,64}$"
@@ -204,10 +209,26 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
         data = decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise InvalidEvent(f"{kind} data: {exc}") from None
+    if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and _too_deep(data):  # counting first: cheap
+        raise InvalidEvent(f"{kind} data: JSON nested deeper than {MAX_DEPTH} levels")
     step = getattr(data, "step", None)
     if step is not None and not _STEP_RE.fullmatch(step):  # msgspec's pattern check uses re.search
         raise InvalidEvent(f"{kind} data: invalid step id {step[:80]!r} (must match {STEP_ID})")
     return Event(id=entry_id, type=kind, workflow=workflow, data=data, raw=raw)
+
+
+def _too_deep(data: Struct) -> bool:
+    """Whether a free-form (dict or list) field nests deeper than MAX_DEPTH, counting `data` as 1."""
+    level = [v for v in msgspec.structs.astuple(data) if isinstance(v, dict | list)]
+    depth = 2
+    while level:
+        if depth > MAX_DEPTH:
+            return True
+        below = []
+        for node in level:
+            below += [c for c in (node.values() if isinstance(node, dict) else node) if isinstance(c, dict | list)]
+        level, depth = below, depth + 1
+    return False
 
 
 def encode_payload(payload: Payload) -> bytes:
