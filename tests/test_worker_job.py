@@ -190,7 +190,10 @@ def test_success_over_stdio(r: redis.Redis, redis_url: str, tmp_path: Path, db: 
     assert refund["holding"] == transaction and refund["idempotencyKey"] == job.idempotency_key
     assert not r.exists(K.lease("order-1", "charge"))
     assert rq_result(r, job) == "succeeded"
-    assert "compensation succeeded workflow=order-1 step=charge" in done.stderr  # structured log line
+    logged = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert any(
+        e["msg"] == "compensation succeeded" and e["workflow"] == "order-1" and e["step"] == "charge" for e in logged
+    )  # structured logs name the workflow and the step
 
 
 def test_fails_twice_with_is_error_then_succeeds_once(r: redis.Redis, redis_url: str, tmp_path: Path, db: Path) -> None:

@@ -13,7 +13,6 @@ outcome is reported as final and returns normally, so RQ does not retry it.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import signal
@@ -26,9 +25,11 @@ import msgspec
 from redis import Redis
 from rq import get_current_job
 from rq.job import Job
+from rq.timeouts import JobTimeoutException
 
 from saga.config import Config, WorkerSettings, load_config
 from saga.keys import Keys
+from saga.logs import get_logger
 from saga.recovery_wire import IDEMPOTENCY_META_KEY, ToolDeclaration
 from schemas.events import (
     CompensationFailed,
@@ -41,7 +42,7 @@ from schemas.records import SETTLED, Compensation, CompensationJob, arguments_di
 from workers import trust
 from workers.sessions import SessionError, SessionPool
 
-log = logging.getLogger(__name__)
+log = get_logger("worker")
 
 # Test-only: SIGKILL this worker right after the tool call returns, before its report.
 CRASH_AFTER_CALL_ENV = "SAGA_TEST_CRASH_AFTER_CALL"
@@ -74,6 +75,9 @@ class WorkerContext:
     pool: SessionPool
     name: str
 
+    def __post_init__(self) -> None:
+        self.release = self.redis.register_script(_RELEASE)
+
 
 _context: WorkerContext | None = None
 
@@ -94,7 +98,7 @@ def _current_context(rq_job: Job | None) -> WorkerContext:
         if rq_job is None:
             raise RuntimeError("workers.job.compensate runs inside an RQ worker (or after set_context)")
         config = load_config()
-        log.warning("no worker context: built one from SAGA_CONFIG; use `saga worker` to keep sessions warm")
+        log.warning("no worker context: built one from SAGA_CONFIG; `saga worker` keeps sessions warm across jobs")
         set_context(rq_job.connection, config, SessionPool(config.servers, tools_ttl=config.worker.tools_ttl), "rq")
     assert _context is not None
     return _context
@@ -129,6 +133,7 @@ class _Attempt:
         self.lease_key = self.keys.lease(job.workflow, job.step)
         self.token = f"{ctx.name}:{uuid.uuid4().hex}"
         self.started = time.monotonic()
+        self.report: Payload | None = None
 
     def run(self) -> str:
         job, redis = self.job, self.ctx.redis
@@ -141,15 +146,15 @@ class _Attempt:
         skip = self._skip_reason(record)
         if skip or not leased:
             if leased:
-                self._release()
+                self._finish()
             outcome = skip or "leased by another worker, which is on it"
-            self._log(logging.INFO, "skipped", reason=outcome)
+            self._log("info", "skipped", reason=outcome)
             return f"skipped: {outcome}"
         assert record is not None
         try:
             return self._perform(record)
         finally:
-            self._release()
+            self._finish()
 
     def _skip_reason(self, record: Compensation | None) -> str | None:
         if record is None:
@@ -167,7 +172,7 @@ class _Attempt:
             if refusal is not None:
                 payload = CompensationRefused(**self._fields(final=True), status=refusal.status, reason=refusal.reason)
                 self._report(payload)
-                self._log(logging.WARNING, "refused", status=refusal.status, reason=refusal.reason)
+                self._log("warning", "refused", status=refusal.status, reason=refusal.reason)
                 return f"refused: {refusal.status}: {refusal.reason}"
             declaration = tools[job.operation_id]
             arguments = self._arguments(declaration)
@@ -176,16 +181,19 @@ class _Attempt:
                 return self._failed(f"{job.operation_id}: missing required arguments: {', '.join(missing)}", False)
             meta = {IDEMPOTENCY_META_KEY: job.idempotency_key}
             timeout = self.ctx.config.servers[job.server].timeout
+            self.started = time.monotonic()  # from here on, the duration is the call's
             result = pool.call_tool(job.server, job.operation_id, arguments, meta, timeout)
         except SessionError as exc:
             return self._failed(str(exc), exc.retryable)
+        except JobTimeoutException:  # RQ's job_timeout cut the attempt short: report it like a call timeout
+            return self._failed("the RQ job timeout ran out during the attempt", True)
         if os.environ.get(CRASH_AFTER_CALL_ENV) == "1":
             os.kill(os.getpid(), signal.SIGKILL)
         if result.get("isError"):
             text = _text(result) or "isError result without text"
             return self._failed(text, not _PERMANENT.match(text))
         self._report(CompensationSucceeded(**self._fields(final=True), result=_bounded(result)))
-        self._log(logging.INFO, "succeeded")
+        self._log("info", "succeeded", duration_ms=self._elapsed_ms())
         return "succeeded"
 
     def _vet(self, record: Compensation) -> tuple[trust.Refusal | None, dict[str, ToolDeclaration]]:
@@ -213,7 +221,7 @@ class _Attempt:
         final = not retryable or self.retries_left == 0
         report = CompensationFailed(**self._fields(final=final), error=error[:MAX_TEXT], retryable=retryable)
         self._report(report)
-        self._log(logging.WARNING if final else logging.INFO, "failed", retryable=retryable, final=final, error=error)
+        self._log("warning" if final else "info", "failed", retryable=retryable, final=final, error=error[:MAX_TEXT])
         if not final:
             raise RetryableFailure(error)
         return f"failed: {error[:200]}"
@@ -229,29 +237,37 @@ class _Attempt:
             "operation_id": job.operation_id,
             "idempotency_key": job.idempotency_key,
             "arguments_digest": arguments_digest(job.arguments),
-            "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
+            "duration_ms": self._elapsed_ms(),
             "worker": self.ctx.name,
         }
 
+    def _elapsed_ms(self) -> float:
+        return round((time.monotonic() - self.started) * 1000, 3)
+
     def _report(self, payload: Payload) -> None:
-        self.ctx.redis.xadd(self.keys.events, entry_fields(self.job.workflow, payload))  # type: ignore[arg-type]
+        """Written by `_finish`, before RQ sees the outcome: a retry never precedes its report."""
+        self.report = payload
 
-    def _release(self) -> None:
-        self.ctx.redis.eval(_RELEASE, 1, self.lease_key, self.token)
+    def _finish(self) -> None:
+        """The report and the lease release in one round trip."""
+        with self.ctx.redis.pipeline(transaction=False) as pipe:
+            if self.report is not None:
+                pipe.xadd(self.keys.events, entry_fields(self.job.workflow, self.report))  # type: ignore[arg-type]
+            self.ctx.release(keys=[self.lease_key], args=[self.token], client=pipe)
+            pipe.execute()
 
-    def _log(self, level: int, event: str, **fields: Any) -> None:
+    def _log(self, level: str, event: str, **fields: Any) -> None:
         job = self.job
-        context = {
-            "workflow": job.workflow,
-            "step": job.step,
-            "dispatch": job.dispatch,
-            "attempt": self.attempt,
-            "server": job.server,
-            "operation": job.operation_id,
+        getattr(log, level)(
+            f"compensation {event}",
+            workflow=job.workflow,
+            step=job.step,
+            dispatch=job.dispatch,
+            attempt=self.attempt,
+            server=job.server,
+            operation=job.operation_id,
             **fields,
-        }
-        text = " ".join(f"{k}={_logfmt(v)}" for k, v in context.items())
-        log.log(level, "compensation %s %s", event, text, extra={"saga": {"event": event, **context}})
+        )
 
 
 def _text(result: dict[str, Any]) -> str:
@@ -265,8 +281,3 @@ def _bounded(result: dict[str, Any]) -> dict[str, Any]:
     if size <= MAX_RESULT_BYTES:
         return result
     return {"isError": False, "truncated": True, "bytes": size, "text": _text(result)[:MAX_TEXT]}
-
-
-def _logfmt(value: Any) -> str:
-    text = str(value)
-    return repr(text[:300]) if not text or any(c in text for c in ' ="\n') else text

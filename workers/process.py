@@ -16,11 +16,11 @@ from rq import Queue, SimpleWorker
 
 from saga.config import Config
 from saga.keys import Keys
+from saga.logs import configure, get_logger
 from workers.job import clear_context, set_context
 from workers.sessions import SessionPool
 
-log = logging.getLogger(__name__)
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+log = get_logger("worker")
 
 
 def run_worker(
@@ -32,20 +32,20 @@ def run_worker(
     logging_level: str = "INFO",
 ) -> int:
     """Work the queue until stopped (or, with `burst`, until it is empty); returns the exit status."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging_level, format=LOG_FORMAT)
+    if not logging.getLogger("saga").handlers:  # `saga worker` configured them already
+        configure(logging_level)
     for server, settings in config.servers.items():
         if settings.timeout >= config.worker.lease:
             log.warning(
-                "server %s: call timeout %gs is not below the lease (%gs): a slow call may outlive its lease",
-                server, settings.timeout, config.worker.lease,
+                "call timeout is not below the lease: a slow call may outlive its lease",
+                server=server, timeout=settings.timeout, lease=config.worker.lease,
             )  # fmt: skip
     connection = Redis.from_url(redis_url)
     queue = Queue(Keys(config.prefix).queue, connection=connection)
     worker = SimpleWorker([queue], connection=connection, name=name)
     pool = SessionPool(config.servers, tools_ttl=config.worker.tools_ttl)
     set_context(connection, config, pool, worker.name)
-    log.info("worker %s on queue %s, servers: %s", worker.name, queue.name, ", ".join(config.servers) or "none")
+    log.info("worker started", worker=worker.name, queue=queue.name, servers=",".join(config.servers) or "none")
     try:
         worker.work(burst=burst, with_scheduler=True, logging_level=logging_level)
     finally:

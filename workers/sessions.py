@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,9 +27,10 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CONNECTION_CLOSED, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND
 
 from saga.config import ServerConfig
+from saga.logs import get_logger
 from saga.recovery_wire import ToolDeclaration, read_tool_declarations
 
-log = logging.getLogger(__name__)
+log = get_logger("sessions")
 T = TypeVar("T")
 
 # A streamable HTTP response may be an SSE stream the server holds open while the tool runs.
@@ -114,11 +114,11 @@ class _Owner:
             try:
                 if await self.serve(request):
                     return
-            except Exception as exc:
+            except (Exception, BaseExceptionGroup) as exc:  # a group may also hold its tasks' cancellations
                 error = TransportError(f"{self.name}: {_describe(exc)}")
                 self.tools = None
                 self.delay = min(self.backoff[1], self.delay * 2 or self.backoff[0])
-                log.warning("mcp session %s failed: %s; reconnecting in %.1fs", self.name, error, self.delay)
+                log.warning("mcp session failed", server=self.name, error=str(error), reconnect_in=self.delay)
                 for pending in (request, *self.inflight):
                     _fail(pending, error)
                 self.inflight.clear()
@@ -131,7 +131,7 @@ class _Owner:
                 timer.cancel()
                 self.connects += 1
                 self.delay = 0.0
-                log.info("mcp session %s connected (%s)", self.name, self.target())
+                log.info("mcp session connected", server=self.name, target=self.target())
                 request = first
                 while request is not _CLOSE:
                     tasks.start_soon(self.run, client, request)
@@ -240,6 +240,9 @@ class SessionPool:
 
     def tools(self, server: str, *, refresh: bool = False) -> dict[str, ToolDeclaration]:
         """The server's live `tools/list`, recovery declarations included, cached `tools_ttl` seconds."""
+        cached = None if refresh else self._owner(server).tools
+        if cached and time.monotonic() < cached[0]:  # no trip through the loop for a fresh listing
+            return cached[1]
         return self._run(self._tools(server, refresh), self._config(server).timeout)
 
     def connects(self, server: str) -> int:
@@ -258,8 +261,8 @@ class SessionPool:
             return
         try:
             asyncio.run_coroutine_threadsafe(self._close_all(), loop).result(timeout)
-        except Exception:
-            log.exception("closing mcp sessions")
+        except Exception as exc:
+            log.error("closing mcp sessions failed", error=_describe(exc), exc_info=True)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout)
 
