@@ -1,0 +1,306 @@
+"""`async with saga.workflow(...) as wf`: MCP tool calls that leave a compensable trail on `saga:events`.
+
+The wrapper's promise is about timing: when `await wf.call(...)` returns, the step is already in
+the stream, so an agent that crashes on the next line still gets its side effects undone. That
+costs one XADD per call, on an async connection, after the tool answered; the tool's recovery
+declaration comes from a `tools/list` read once per client and overlapped with the first call, so
+it adds no round trip of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import weakref
+from collections.abc import Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, get_args
+
+import redis.asyncio as aioredis
+from redis import Redis as SyncRedis
+
+from saga.recovery_wire import ToolDeclaration, read_tool_declarations
+from schemas.events import MAX_DATA_BYTES, STEP_ID, WORKFLOW_ID, FailedStep, WorkflowCompleted, encode_payload
+
+from .publish import AsyncPublisher, OnFailure, checked_entry, clip, step_completed, workflow_failed
+
+if TYPE_CHECKING:
+    from mcp import Client
+    from mcp_types import CallToolResult
+
+    from saga.config import Config
+
+log = logging.getLogger(__name__)
+_STEP_RE, _WORKFLOW_RE = re.compile(STEP_ID), re.compile(WORKFLOW_ID)
+_NOT_STEP_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
+
+# One listing per live session, shared by every workflow that uses it: agents open clients once and
+# run many workflows. Keyed by the session (a `Client` is an unhashable dataclass), so reconnecting
+# lists again.
+_listings: weakref.WeakKeyDictionary[Any, asyncio.Future[dict[str, ToolDeclaration]]] = weakref.WeakKeyDictionary()
+
+
+def _session(client: Any) -> Any:
+    return client if hasattr(client, "send_request") else client.session
+
+
+def forget_declarations(client: Any) -> None:
+    """Drop a client's cached `tools/list`, e.g. after the server announced `tools/list_changed`."""
+    _listings.pop(_session(client), None)
+
+
+def _declarations(client: Any) -> asyncio.Future[dict[str, ToolDeclaration]]:
+    session = _session(client)
+    listing = _listings.get(session)
+    if listing is None or (listing.done() and (listing.cancelled() or listing.exception() is not None)):
+        listing = _listings[session] = asyncio.ensure_future(read_tool_declarations(session))
+        # Retrieve a failure even when the call that started the listing failed first (no stray warning).
+        listing.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return listing
+
+
+def result_text(result: CallToolResult) -> str:
+    """What a failed call said, for the exception and `failedStep.error`."""
+    texts = [getattr(block, "text", "") for block in result.content]
+    return " ".join(t for t in texts if t) or "the tool reported an error (isError: true) without a message"
+
+
+class ToolCallFailed(Exception):
+    """A tool answered `isError: true`: not a completed step, and (unless caught) a failed workflow."""
+
+    def __init__(self, server: str, tool: str, step: str, result: CallToolResult) -> None:
+        self.server, self.tool, self.step, self.result = server, tool, step, result
+        super().__init__(f"{server}:{tool} (step {step}) failed: {result_text(result)}")
+
+
+class Workflow:
+    """One saga: enter it, `await wf.call(server, tool, arguments)`, and let the block's outcome speak.
+
+    Leaving the block by an exception publishes `workflow-failed` (reason, `failedStep` when a tool
+    call caused it, `stepsCompleted`) and re-raises that same exception; leaving it cleanly publishes
+    `workflow-completed`. Calls still in flight at exit (tasks the block did not await) are waited
+    for, up to `settle_timeout` seconds, so that the count covers them and no step arrives after
+    the workflow ended.
+
+    `servers` maps the names the worker's registry uses to connected `mcp.Client`s; events carry
+    those names, never URLs. With a `config` (`saga.config.Config`), an operator overlay for
+    (server, tool) is what the event's `recovery` carries, in place of what the server declares
+    (the coordinator applies the same rule; recording it here tells every other reader of the
+    stream too), and the config's prefix names the stream.
+    """
+
+    def __init__(
+        self,
+        workflow_id: str,
+        *,
+        redis: aioredis.Redis | str | None = None,
+        servers: Mapping[str, Client],
+        config: Config | None = None,
+        parallel: bool | None = None,
+        on_failure: OnFailure | None = None,
+        prefix: str | None = None,
+        settle_timeout: float = 30.0,
+    ) -> None:
+        if not isinstance(workflow_id, str) or not _WORKFLOW_RE.match(workflow_id):
+            raise ValueError(f"invalid workflow id {workflow_id!r} (must match {WORKFLOW_ID})")
+        if on_failure is not None and on_failure not in get_args(OnFailure):
+            raise ValueError(f"on_failure must be one of {get_args(OnFailure)}, not {on_failure!r}")
+        for name in servers:
+            if not isinstance(name, str) or not 1 <= len(name) <= 128 or "://" in name:
+                raise ValueError(f"server name {name!r}: use the worker registry's name (1-128 characters), not a URL")
+            if config is not None and config.servers and name not in config.servers:
+                log.warning("server %r is not in the config's [servers]; a worker with it could not compensate", name)
+        if isinstance(redis, SyncRedis):
+            raise TypeError("pass a redis.asyncio.Redis (or a URL): a blocking client would stall the event loop")
+        url = redis if isinstance(redis, str) else None if redis is not None else os.environ.get("REDIS_URL")
+        if redis is None and url is None:
+            raise ValueError("no Redis: pass redis= (a redis.asyncio.Redis or a URL) or set REDIS_URL")
+        self.id = workflow_id
+        self.servers = dict(servers)
+        self.config = config
+        self.parallel, self.on_failure, self.settle_timeout = parallel, on_failure, settle_timeout
+        self._redis, self._url = redis, url
+        self._prefix = prefix or (config.prefix if config else "saga")
+        self.publisher: AsyncPublisher | None = None
+        # Tool calls that succeeded, recorded or not: a step whose event could not be written still
+        # counts, so that the coordinator flags it as missing instead of reporting a clean unwind.
+        self.steps_completed = 0
+        self._counter = 0
+        self._used: set[str] = set()
+        self._inflight: set[asyncio.Future[None]] = set()
+        self._failure: tuple[BaseException, FailedStep] | None = None
+        self._state = "new"
+
+    async def __aenter__(self) -> Workflow:
+        if self._state != "new":
+            raise RuntimeError(f"workflow {self.id!r} was already entered; create a new one per run")
+        connection = aioredis.Redis.from_url(self._url) if self._url is not None else self._redis
+        self.publisher = AsyncPublisher(connection, self._prefix)
+        self._state = "open"
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._state = "closed"
+        assert self.publisher is not None
+        try:
+            if self._inflight:
+                await asyncio.wait(set(self._inflight), timeout=self.settle_timeout)
+            if exc is None:
+                await self.publisher.publish(self.id, WorkflowCompleted())
+                return
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            failed = self._failed_step(exc)
+            payload = workflow_failed(reason, failed, self.steps_completed, self.parallel, self.on_failure)
+            try:
+                await self.publisher.publish(self.id, payload)
+            except Exception as error:  # the block's own exception is the one the caller must see
+                log.error("could not publish workflow-failed for %r: %r", self.id, error)
+                exc.add_note(f"mcp-saga: workflow-failed for {self.id!r} was NOT published: {error!r}")
+        finally:
+            if self._url is not None:
+                await self.publisher.redis.aclose()
+
+    def _failed_step(self, exc: BaseException) -> FailedStep | None:
+        """The failed call, when the exception leaving the block is it or was raised while handling it."""
+        if self._failure is None:
+            return None
+        seen: BaseException | None = exc
+        for _ in range(50):  # bounded walk: a cause chain can be a cycle
+            if seen is None:
+                return None
+            if seen is self._failure[0]:
+                return self._failure[1]
+            seen = seen.__cause__ or seen.__context__
+        return None
+
+    def _step_id(self, tool: str, step: str | None) -> str:
+        if step is not None:
+            if not isinstance(step, str) or not _STEP_RE.match(step):
+                raise ValueError(f"invalid step id {step!r} (must match {STEP_ID})")
+            if step in self._used:
+                raise ValueError(f"step id {step!r} is already used in workflow {self.id!r}")
+        while step is None or step in self._used:
+            self._counter += 1
+            step = _NOT_STEP_CHARS.sub("_", f"{self._counter}-{tool}")[:64]
+        self._used.add(step)
+        return step
+
+    async def call(
+        self,
+        server: str,
+        tool: str,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        step: str | None = None,
+        **call_kwargs: Any,
+    ) -> CallToolResult:
+        """Call `tool` on `server`; on success the step is in the stream before this returns.
+
+        `step` defaults to `"{n}-{tool}"`. Extra keyword arguments go to `Client.call_tool`
+        (`read_timeout_seconds`, `meta`, ...). Raises `ToolCallFailed` for `isError: true`; a
+        transport or protocol error propagates as is. Either way nothing is published for the call,
+        and the block's exit names it as the failed step. If the tool succeeded but its event cannot
+        be written (Redis down, a result over the size cap even without its text mirror), that error
+        propagates and the step still counts in `stepsCompleted`.
+        """
+        if self._state != "open":
+            raise RuntimeError(f"workflow {self.id!r} is {self._state}: call inside `async with`")
+        client = self.servers.get(server)
+        if client is None:
+            raise ValueError(f"unknown server {server!r} for workflow {self.id!r}; known: {sorted(self.servers)}")
+        listing = _declarations(client)
+        step_id = self._step_id(tool, step)
+        arguments = dict(arguments or {})
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inflight.add(done)
+        try:
+            try:
+                result = await client.call_tool(tool, arguments, **call_kwargs)
+                if result.is_error:
+                    raise ToolCallFailed(server, tool, step_id, result)
+            except BaseException as exc:
+                self._used.discard(step_id)  # never published: the caller may retry under the same id
+                error = result_text(exc.result) if isinstance(exc, ToolCallFailed) else f"{type(exc).__name__}: {exc}"
+                self._failure = (exc, FailedStep(tool=tool, error=clip(error)))
+                raise
+            self.steps_completed += 1
+            await self._publish_step(step_id, server, tool, arguments, result, listing)
+            return result
+        finally:
+            self._inflight.discard(done)
+            done.set_result(None)
+
+    def _overlay(self, server: str, tool: str) -> dict[str, Any] | None:
+        overlay = self.config.overlay(server, tool) if self.config is not None else None
+        return overlay.to_wire() if overlay is not None else None
+
+    async def _publish_step(
+        self,
+        step: str,
+        server: str,
+        tool: str,
+        arguments: dict[str, Any],
+        result: CallToolResult,
+        listing: asyncio.Future[dict[str, ToolDeclaration]],
+    ) -> None:
+        recovery, annotations = None, None
+        try:
+            declaration = (await listing).get(tool)
+        except Exception as exc:  # the call committed: record it even without its declaration
+            log.warning("tools/list of %r failed (%r); step %r is published without its declaration", server, exc, step)
+            declaration = None
+        if declaration is not None:
+            recovery = declaration.recovery
+            if recovery is not None and not isinstance(recovery, dict):
+                # Not an object: keep it visible, in a shape the coordinator plans as unrecoverable.
+                recovery = {"declared": recovery}
+            annotations = {k: v for k, v in declaration.annotations.items() if k != "recovery"} or None
+        recovery = self._overlay(server, tool) or recovery
+        wire = result.model_dump(by_alias=True, mode="json", exclude_none=True)
+        payload = step_completed(step, server, tool, arguments, wire, recovery, annotations)
+        try:
+            fields = checked_entry(self.id, payload)
+        except ValueError:
+            # Over the size cap, the text mirror of structuredContent is what can go: bindings read the latter.
+            oversize = len(encode_payload(payload)) > MAX_DATA_BYTES
+            if not oversize or "structuredContent" not in wire or "content" not in wire:
+                raise
+            wire = {k: v for k, v in wire.items() if k != "content"}
+            fields = checked_entry(self.id, step_completed(step, server, tool, arguments, wire, recovery, annotations))
+        assert self.publisher is not None
+        await self.publisher.redis.xadd(self.publisher.stream, fields)  # type: ignore[arg-type]
+
+
+def workflow(
+    workflow_id: str,
+    *,
+    redis: aioredis.Redis | str | None = None,
+    servers: Mapping[str, Client],
+    config: Config | None = None,
+    parallel: bool | None = None,
+    on_failure: OnFailure | None = None,
+    prefix: str | None = None,
+    settle_timeout: float = 30.0,
+) -> Workflow:
+    """`async with workflow("order-42", redis=..., servers={"payments": client}) as wf:`; see `Workflow`.
+
+    `redis` defaults to `$REDIS_URL`; `parallel` and `on_failure` ("halt" | "continue") override the
+    coordinator's unwind defaults for this workflow; `config` supplies recovery overlays and the prefix.
+    """
+    return Workflow(
+        workflow_id,
+        redis=redis,
+        servers=servers,
+        config=config,
+        parallel=parallel,
+        on_failure=on_failure,
+        prefix=prefix,
+        settle_timeout=settle_timeout,
+    )
+
+
+__all__ = ["ToolCallFailed", "Workflow", "forget_declarations", "workflow"]

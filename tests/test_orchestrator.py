@@ -1,0 +1,313 @@
+"""The orchestrator SDK against real example servers and a real Redis: what lands on `saga:events`.
+
+Every entry the SDK writes is read back through the coordinator's own gate (`decode_entry`), and
+the scenarios that should start an unwind are folded by an in-process coordinator, so "the
+coordinator accepts it" is checked by the coordinator rather than assumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import redis
+import redis.asyncio as aioredis
+from mcp import Client
+from mcp.server.mcpserver import MCPServer
+from mcp_types import CallToolResult, TextContent
+from processes import start_http_servers, stdio_params
+
+import orchestrator.wrapper as sdk
+import saga
+from coordinator.consumer import Coordinator
+from examples import SERVERS
+from examples.shipping import SIMULATED_FAILURE
+from saga.config import parse_config
+from saga.keys import Keys
+from saga.recovery_wire import compensation
+from schemas.events import Event, FailedStep, StepCompleted, WorkflowCompleted, WorkflowFailed, decode_entry
+from schemas.recovery import parse_recovery
+
+pytestmark = pytest.mark.anyio
+K = Keys()
+DECLARED = {
+    "reserve_inventory": compensation("release_inventory", reservationId="$response.body#/reservationId"),
+    "charge_payment": compensation("refund_payment", transactionId="$response.body#/transactionId"),
+    "create_shipment": compensation("cancel_shipment", shipmentId="$response.body#/shipmentId"),
+}
+ORDER = [
+    ("inventory", "reserve_inventory", {"sku": "WIDGET-1", "quantity": 2}),
+    ("payments", "charge_payment", {"orderId": "order-42", "amount": 19.5}),
+    ("shipping", "create_shipment", {"orderId": "order-42", "address": "1 Main St"}),
+]
+FAILING_SHIPMENT = ("shipping", "create_shipment", {"orderId": "order-42", "address": "x", "simulateFailure": True})
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    directory = tmp_path_factory.mktemp("ledgers")
+    specs = [(module, "--db", str(directory / f"{name}.db")) for name, module in SERVERS.items()]
+    with start_http_servers(*specs) as started:
+        yield {name: url for name, (_, url) in zip(SERVERS, started, strict=True)}
+
+
+@pytest.fixture(scope="module")
+async def clients(urls: dict[str, str]) -> AsyncIterator[dict[str, Client]]:
+    async with (
+        Client(urls["inventory"]) as inventory,
+        Client(urls["payments"]) as payments,
+        Client(urls["shipping"]) as shipping,
+    ):
+        yield {"inventory": inventory, "payments": payments, "shipping": shipping}
+
+
+@pytest.fixture
+async def ar(r: redis.Redis, redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def events(r: redis.Redis, keys: Keys = K) -> list[Event]:
+    return [decode_entry(i.decode(), fields) for i, fields in r.xrange(keys.events)]
+
+
+def unwind(r: redis.Redis) -> Coordinator:
+    coordinator = Coordinator(r, parse_config({"coordinator": {"block_ms": 10}}), name="test")
+    coordinator.ensure_group()
+    while coordinator.step().events:
+        pass
+    assert r.xlen(K.dead_letter) == 0
+    return coordinator
+
+
+def comp(r: redis.Redis, workflow: str, step: str) -> dict[str, Any]:
+    return msgspec.json.decode(r.hget(K.comp(workflow), step))
+
+
+async def test_clean_block_publishes_each_step_then_completed(
+    r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listings = []
+
+    async def counting(client: Client) -> Any:
+        listings.append(client)
+        return await real(client)
+
+    real = sdk.read_tool_declarations
+    monkeypatch.setattr(sdk, "read_tool_declarations", counting)
+    for client in clients.values():
+        saga.forget_declarations(client)
+    for n in (1, 2):
+        async with saga.workflow(f"order-{n}", redis=ar, servers=clients) as wf:
+            results = [await wf.call(*call) for call in ORDER]
+        assert wf.steps_completed == 3
+
+    assert len(listings) == 3  # one tools/list per client, shared by both workflows
+    published = [e for e in events(r) if e.workflow == "order-2"]
+    assert [e.type for e in published] == ["step-completed"] * 3 + ["workflow-completed"]
+    for event, (server, tool, arguments), result, n in zip(published, ORDER, results, (1, 2, 3), strict=False):
+        step = event.data
+        assert isinstance(step, StepCompleted)
+        assert (step.step, step.server, step.tool, step.arguments) == (f"{n}-{tool}", server, tool, arguments)
+        assert step.recovery == DECLARED[tool]  # as the server lists it, not from anywhere in this test's code
+        assert step.result == result.model_dump(by_alias=True, mode="json", exclude_none=True)
+        assert step.result["structuredContent"]["orderId" if server != "inventory" else "sku"]
+        assert step.annotations == {"readOnlyHint": False, "destructiveHint": False, "idempotentHint": False}
+        assert isinstance(step.completed_at, str) and step.completed_at.endswith("Z")
+    unwind(r)
+    assert r.hget(K.state("order-2"), "status") == b"completed"
+
+
+async def test_raising_block_publishes_failed_and_reraises_the_same_exception(
+    r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client]
+) -> None:
+    boom = Boom("the model changed its mind")
+    with pytest.raises(Boom) as raised:
+        async with saga.workflow("order-boom", redis=ar, servers=clients) as wf:
+            for call in ORDER[:2]:
+                await wf.call(*call)
+            raise boom
+    assert raised.value is boom
+    *steps, failed = events(r)
+    assert [e.data.step for e in steps] == ["1-reserve_inventory", "2-charge_payment"]
+    assert failed.data == WorkflowFailed(reason="Boom: the model changed its mind", steps_completed=2)
+
+    unwind(r)  # the events drive a real unwind plan: last step first
+    assert r.hget(K.state("order-boom"), "status") == b"compensating"
+    charge = comp(r, "order-boom", "2-charge_payment")
+    assert (charge["status"], charge["operationId"]) == ("queued", "refund_payment")
+    assert charge["arguments"]["transactionId"] == steps[1].data.result["structuredContent"]["transactionId"]
+    assert comp(r, "order-boom", "1-reserve_inventory")["status"] == "pending"
+
+
+async def test_an_is_error_call_is_not_a_step_and_fails_the_block(
+    r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client]
+) -> None:
+    with pytest.raises(saga.ToolCallFailed) as raised:
+        async with saga.workflow("order-err", redis=ar, servers=clients, parallel=True, on_failure="continue") as wf:
+            for call in [*ORDER[:2], FAILING_SHIPMENT]:
+                await wf.call(*call)
+    assert raised.value.result.is_error and SIMULATED_FAILURE in str(raised.value)
+    failure = raised.value
+    assert (failure.server, failure.tool, failure.step) == ("shipping", "create_shipment", "3-create_shipment")
+    *steps, failed = events(r)
+    assert [e.data.tool for e in steps] == ["reserve_inventory", "charge_payment"]
+    assert failed.data.steps_completed == 2 and failed.data.reason.startswith("ToolCallFailed: ")
+    assert failed.data.failed_step.tool == "create_shipment" and SIMULATED_FAILURE in failed.data.failed_step.error
+    assert (failed.data.parallel, failed.data.on_failure) == (True, "continue")
+    unwind(r)
+    assert {comp(r, "order-err", s.data.step)["status"] for s in steps} == {"queued"}  # parallel: both at once
+
+
+async def test_a_caught_failure_can_be_retried_under_its_step_id(
+    r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client]
+) -> None:
+    async with saga.workflow("order-retry", redis=ar, servers=clients) as wf:
+        with pytest.raises(saga.ToolCallFailed):
+            await wf.call(*FAILING_SHIPMENT, step="ship")
+        await wf.call(*ORDER[2], step="ship")
+        with pytest.raises(ValueError, match="already used"):
+            await wf.call(*ORDER[2], step="ship")
+    assert [(e.type, getattr(e.data, "step", None)) for e in events(r)] == [
+        ("step-completed", "ship"),
+        ("workflow-completed", None),
+    ]
+
+
+async def test_a_failure_while_calls_are_in_flight_counts_them(
+    r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client]
+) -> None:
+    """gather() raises at the first failure while its siblings still run: the exit waits for them."""
+    with pytest.raises(saga.ToolCallFailed):
+        async with saga.workflow("order-gather", redis=ar, servers=clients) as wf:
+            await asyncio.gather(*(wf.call(*call) for call in [FAILING_SHIPMENT, *ORDER[:2]]))
+    *steps, failed = events(r)
+    assert len(steps) == 2 and {e.type for e in steps} == {"step-completed"}
+    assert failed.data.steps_completed == 2 and failed.data.failed_step.tool == "create_shipment"
+
+
+async def test_an_overlay_from_the_config_is_what_the_event_records(
+    r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client], urls: dict[str, str]
+) -> None:
+    overlay = compensation("refund_payment", transactionId="$response.body#/transactionId", note="overlay")
+    config = parse_config(
+        {
+            "prefix": "ov",
+            "servers": {
+                "payments": {"url": urls["payments"], "recovery": {"charge_payment": overlay}},
+                "inventory": {"url": urls["inventory"]},
+            },
+        }
+    )
+    async with saga.workflow("order-ov", redis=ar, servers=clients, config=config) as wf:
+        for call in ORDER[:2]:
+            await wf.call(*call)
+    reserve, charge, completed = events(r, Keys("ov"))
+    assert charge.data.recovery == parse_recovery(overlay).to_wire() != DECLARED["charge_payment"]
+    assert reserve.data.recovery == DECLARED["reserve_inventory"]  # no overlay: the server's declaration
+    assert completed.type == "workflow-completed" and r.xlen(K.events) == 0
+
+
+async def test_over_stdio_the_recovery_comes_from_the_live_listing(
+    r: redis.Redis, ar: aioredis.Redis, tmp_path: Path
+) -> None:
+    params = stdio_params("examples.payments", "--db", str(tmp_path / "p.db"))
+    async with Client(params) as payments, saga.workflow("order-stdio", redis=ar, servers={"payments": payments}) as wf:
+        await wf.call(*ORDER[1], step="charge")
+    step, _ = events(r)
+    assert (step.data.step, step.data.recovery) == ("charge", DECLARED["charge_payment"])
+
+
+async def test_sync_and_async_publishers_write_entries_the_coordinator_accepts(
+    r: redis.Redis, ar: aioredis.Redis
+) -> None:
+    result = CallToolResult(content=[TextContent(type="text", text='{"id": "A-1"}')], structured_content={"id": "A-1"})
+    recovery = parse_recovery(compensation("undo", id="$response.body#/id"))
+    sync, async_ = saga.Publisher(r), saga.AsyncPublisher(ar)
+    sync.step_completed("wf-sync", "a", "svc", "do", {"n": 1}, result, recovery, {"destructiveHint": False})
+    await async_.step_completed("wf-async", "a", "svc", "do", {"n": 1}, {"structuredContent": {"id": "A-1"}}, recovery)
+    sync.workflow_failed("wf-sync", "it broke", {"tool": "later", "error": "x" * 10_000}, steps_completed=1)
+    await async_.workflow_failed("wf-async", "it broke", FailedStep(tool="later"), 1, parallel=True)
+    entry_id = sync.workflow_completed("wf-done")
+    assert isinstance(entry_id, str) and "-" in entry_id
+    assert await async_.workflow_completed("wf-done-async")
+
+    by_workflow = {}
+    for event in events(r):
+        by_workflow.setdefault(event.workflow, []).append(event.data)
+    assert by_workflow["wf-sync"][0].result["structuredContent"] == {"id": "A-1"}
+    assert by_workflow["wf-sync"][0].recovery == by_workflow["wf-async"][0].recovery == recovery.to_wire()
+    assert len(by_workflow["wf-sync"][1].failed_step.error) == 8192  # clipped to the contract, not refused
+    assert by_workflow["wf-done"] == [WorkflowCompleted()]
+    unwind(r)
+    for workflow in ("wf-sync", "wf-async"):
+        assert r.hget(K.state(workflow), "status") == b"compensating"
+        assert comp(r, workflow, "a")["arguments"] == {"id": "A-1"}
+    assert r.hget(K.state("wf-done"), "status") == b"completed"
+
+
+async def test_invalid_entries_are_refused_before_anything_is_written(
+    r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client]
+) -> None:
+    sync, async_ = saga.Publisher(r), saga.AsyncPublisher(ar)
+    result = {"structuredContent": {}}
+    for bad in ["-leading-dash", "has space", "x" * 201, "{tag}", ""]:
+        with pytest.raises(ValueError, match="invalid workflow id"):
+            sync.workflow_completed(bad)
+        with pytest.raises(ValueError, match="invalid workflow id"):
+            await async_.step_completed(bad, "a", "svc", "do", {}, result)
+        with pytest.raises(ValueError, match="invalid workflow id"):
+            saga.workflow(bad, redis=ar, servers=clients)
+    for bad in ["has space", "x" * 65, "", "a/b"]:
+        with pytest.raises(ValueError, match="step"):
+            sync.step_completed("wf", bad, "svc", "do", {}, result)
+    with pytest.raises(ValueError, match="cap"):
+        sync.step_completed("wf", "a", "svc", "do", {}, {"structuredContent": {"blob": "x" * 300_000}})
+    with pytest.raises(ValueError, match=r"steps_completed|stepsCompleted"):
+        sync.workflow_failed("wf", "r", steps_completed=-1)
+    with pytest.raises(ValueError, match="not JSON"):
+        sync.step_completed("wf", "a", "svc", "do", {"x": object()}, result)
+    with pytest.raises(ValueError, match="not a URL"):
+        saga.workflow("wf", redis=ar, servers={"http://127.0.0.1:1/mcp": clients["payments"]})
+    with pytest.raises(TypeError, match=r"redis\.asyncio"):
+        saga.workflow("wf", redis=r, servers=clients)
+    async with saga.workflow("wf", redis=ar, servers=clients) as wf:
+        with pytest.raises(ValueError, match="invalid step id"):
+            await wf.call(*ORDER[1], step="no spaces please")
+        with pytest.raises(ValueError, match="unknown server"):
+            await wf.call("billing", "charge_payment", {})
+    assert [e.type for e in events(r)] == ["workflow-completed"]  # only the clean exit; nothing else was written
+
+
+async def test_a_result_over_the_cap_keeps_structured_content_or_is_counted_as_unrecorded(
+    r: redis.Redis, ar: aioredis.Redis
+) -> None:
+    """The text mirror goes first; a step that still cannot be recorded is counted, so the coordinator flags it."""
+    app = MCPServer("big", log_level="WARNING")
+
+    @app.tool()
+    def blob(size: int) -> dict[str, str]:
+        return {"blob": "x" * size}
+
+    async with Client(app) as client:
+        with pytest.raises(ValueError, match="cap"):
+            async with saga.workflow("order-big", redis=ar, servers={"big": client}) as wf:
+                await wf.call("big", "blob", {"size": 150_000})
+                await wf.call("big", "blob", {"size": 300_000})
+    step, failed = events(r)
+    assert step.data.result["structuredContent"]["blob"] == "x" * 150_000 and "content" not in step.data.result
+    assert failed.data.steps_completed == 2 and failed.data.failed_step is None
