@@ -75,9 +75,6 @@ class WorkerContext:
     pool: SessionPool
     name: str
 
-    def __post_init__(self) -> None:
-        self.release = self.redis.register_script(_RELEASE)
-
 
 _context: WorkerContext | None = None
 
@@ -253,7 +250,7 @@ class _Attempt:
         with self.ctx.redis.pipeline(transaction=False) as pipe:
             if self.report is not None:
                 pipe.xadd(self.keys.events, entry_fields(self.job.workflow, self.report))  # type: ignore[arg-type]
-            self.ctx.release(keys=[self.lease_key], args=[self.token], client=pipe)
+            pipe.eval(_RELEASE, 1, self.lease_key, self.token)  # EVALSHA would add a SCRIPT EXISTS trip
             pipe.execute()
 
     def _log(self, level: str, event: str, **fields: Any) -> None:
