@@ -36,6 +36,7 @@ from schemas.events import (
     CompensationRefused,
     CompensationSucceeded,
     Payload,
+    StepCompleted,
     entry_fields,
 )
 from schemas.records import SETTLED, Compensation, CompensationJob, arguments_digest, comp_decoder, job_decoder
@@ -199,11 +200,13 @@ class _Attempt:
         refusal = trust.check_request(job, record, config)
         if refusal is not None:
             return refusal, {}
+        raw = self.ctx.redis.lindex(self.keys.steps(job.workflow), record.seq)
+        step = msgspec.json.decode(raw, type=StepCompleted) if raw is not None else None
         tools = pool.tools(job.server)
-        refusal = trust.check_live(job, record, config, tools)
+        refusal = trust.check_live(job, record, config, tools, step)
         if refusal is not None:  # the cached listing may predate a change on the server: ask once more
             tools = pool.tools(job.server, refresh=True)
-            refusal = trust.check_live(job, record, config, tools)
+            refusal = trust.check_live(job, record, config, tools, step)
         return refusal, tools
 
     def _arguments(self, declaration: ToolDeclaration) -> dict[str, Any]:

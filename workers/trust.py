@@ -4,7 +4,9 @@ A compensation is an automatic, possibly destructive call chosen from metadata a
 published and an event an orchestrator wrote, so nothing in the job is taken on faith: the
 server must be one this worker was configured with, the call goes to the server the original
 step ran on, and the server must still, right now, list the operation and declare it as the
-undo of that step's tool. The policy then decides whether a human has to say yes first.
+undo of that step's tool, binding from that step exactly the arguments about to be sent (an event
+may carry any declaration it likes, e.g. the server's own operation aimed at someone else's
+charge). The policy then decides whether a human has to say yes first.
 
 `check_request` needs only the job, the stored record and the config, so a refusal it finds
 never costs a connection; `check_live` needs the server's current `tools/list`.
@@ -18,6 +20,8 @@ from typing import Literal
 
 from saga.config import Config
 from saga.recovery_wire import ToolDeclaration
+from schemas.events import StepCompleted
+from schemas.expressions import UnresolvableError, resolve_parameters
 from schemas.records import Compensation, CompensationJob
 from schemas.recovery import Recovery
 
@@ -58,26 +62,41 @@ def check_request(job: CompensationJob, record: Compensation, config: Config) ->
 
 
 def check_live(
-    job: CompensationJob, record: Compensation, config: Config, tools: Mapping[str, ToolDeclaration]
+    job: CompensationJob,
+    record: Compensation,
+    config: Config,
+    tools: Mapping[str, ToolDeclaration],
+    step: StepCompleted | None = None,
 ) -> Refusal | None:
-    """The server, as it is now, must list the operation and still declare it as the undo."""
+    """The server, as it is now, must list the operation and still declare it as the undo.
+
+    `step` is the recorded step-completed event; with it, the declaration must also bind the
+    job's arguments. The coordinator writes a record and its step in one script, so only records
+    written by hand (the worker tests') come without one.
+    """
     server, operation, tool = job.server, job.operation_id, record.tool
     if operation not in tools:
         return _refuse(f"{server} does not list {operation!r} in tools/list")
     if record.source == "overlay":
-        return _names(config.overlay(server, tool), operation, f"the config's recovery overlay for {server}:{tool}")
-    declaration = tools.get(tool)
-    if declaration is None:
-        return _refuse(f"{server} no longer lists {tool!r}, so its declared compensation cannot be confirmed")
-    if declaration.problem and declaration.parsed_recovery() is None:
-        return _refuse(f"{server}:{tool}: {declaration.problem}")
-    return _names(declaration.parsed_recovery(), operation, f"{server}:{tool}'s live recovery declaration")
+        recovery, where = config.overlay(server, tool), f"the config's recovery overlay for {server}:{tool}"
+    else:
+        declaration = tools.get(tool)
+        if declaration is None:
+            return _refuse(f"{server} no longer lists {tool!r}, so its declared compensation cannot be confirmed")
+        if declaration.problem and declaration.parsed_recovery() is None:
+            return _refuse(f"{server}:{tool}: {declaration.problem}")
+        recovery, where = declaration.parsed_recovery(), f"{server}:{tool}'s live recovery declaration"
+    return _names(recovery, operation, where) or _binds(recovery, job, record, step, where)
 
 
 def check(
-    job: CompensationJob, record: Compensation, config: Config, tools: Mapping[str, ToolDeclaration]
+    job: CompensationJob,
+    record: Compensation,
+    config: Config,
+    tools: Mapping[str, ToolDeclaration],
+    step: StepCompleted | None = None,
 ) -> Refusal | None:
-    return check_request(job, record, config) or check_live(job, record, config, tools)
+    return check_request(job, record, config) or check_live(job, record, config, tools, step)
 
 
 def _names(recovery: Recovery | None, operation: str, where: str) -> Refusal | None:
@@ -88,4 +107,27 @@ def _names(recovery: Recovery | None, operation: str, where: str) -> Refusal | N
     declared = recovery.compensating_operation.operation_id  # type: ignore[union-attr]
     if declared != operation:
         return _refuse(f"{where} names {declared!r} now, not {operation!r}")
+    return None
+
+
+def _binds(
+    recovery: Recovery | None, job: CompensationJob, record: Compensation, step: StepCompleted | None, where: str
+) -> Refusal | None:
+    """The arguments were resolved from the event's declaration; the live one must bind the same."""
+    if step is None or recovery is None or recovery.compensating_operation is None:
+        return None
+    if step.step != record.step:
+        return _refuse(f"the recorded step at position {record.seq} is {step.step!r}, not {record.step!r}")
+    try:
+        expected = resolve_parameters(
+            recovery.compensating_operation.parameters, arguments=step.arguments, result=step.result
+        )
+    except UnresolvableError as exc:
+        return _refuse(f"{where} cannot be resolved against the step: {exc}"[:2000])
+    differ = sorted(
+        name for name in expected.keys() | job.arguments.keys() if expected.get(name) != job.arguments.get(name)
+    )
+    if differ:
+        names = ", ".join(repr(name[:100]) for name in differ[:10])
+        return _refuse(f"{where} binds other arguments than the event's declaration did (differ: {names})")
     return None
