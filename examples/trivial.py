@@ -1,13 +1,17 @@
 """A server whose tools do nothing, so benchmarks measure the saga machinery and MCP alone.
 
 Same command line as the other examples; `--db` is accepted and ignored (there is no state), and
-`--fail-first` counts per process, in memory.
+`--fail-first` counts per process, in memory. With `SAGA_TRIVIAL_ARRIVALS=PATH`, each `noop_undo`
+appends "<unix time> <n>" to PATH when it arrives, so the latency benchmark can see when a
+compensation reached the server (same machine, same clock).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import sys
+import time
 from collections import defaultdict
 
 from mcp.server.mcpserver import MCPServer
@@ -33,6 +37,8 @@ class NoopUndo(BaseModel):
 def build(faults: Faults | None = None) -> MCPServer:
     faults = faults or Faults()
     calls: defaultdict[str, itertools.count[int]] = defaultdict(lambda: itertools.count(1))
+    arrivals_path = os.environ.get("SAGA_TRIVIAL_ARRIVALS")
+    arrivals = open(arrivals_path, "a", buffering=1) if arrivals_path else None  # noqa: SIM115 - server lifetime
     app = new_app(NAME)
 
     @recoverable_tool(app, compensation("noop_undo", n="$response.body#/n"))
@@ -43,6 +49,8 @@ def build(faults: Faults | None = None) -> MCPServer:
     @app.tool(annotations=ToolAnnotations(idempotentHint=True))
     def noop_undo(n: int, idempotencyKey: str | None = None) -> NoopUndo:
         """Pretend to undo `noop(n)`."""
+        if arrivals is not None:
+            arrivals.write(f"{time.time():.6f} {n}\n")
         faults.check("noop_undo", next(calls["noop_undo"]))
         return NoopUndo(n=n)
 

@@ -1,0 +1,166 @@
+"""Failure-to-compensation latency and LIFO unwind throughput, against raw warm-session calls.
+
+    python -m bench.latency [--redis URL] [--workflows 1000] [--unwinds 20] [--json PATH]
+
+Real processes: `examples.trivial` over streamable HTTP, one `saga coordinator`, one `saga worker`
+(warm). The server appends the time each `noop_undo` arrives to a file, so the latency measured is
+exactly "XADD of workflow-failed -> compensating call arrives at the MCP server" (same machine,
+same clock). The baseline is the same call made directly over a warm session from this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from mcp import Client
+from redis import Redis
+
+from bench.table import Row, print_table
+from examples import TRIVIAL
+from saga.keys import Keys
+from saga.procs import saga_process, start_http_server, stop
+from saga.recovery_wire import compensation
+from saga.redis_server import resolve_redis
+from schemas.events import StepCompleted, WorkflowFailed, entry_fields
+
+RECOVERY = compensation("noop_undo", n="$response.body#/n")
+KEYS = Keys()
+RAW = 90_000_000
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Arrivals:
+    """Tails the server's arrivals file: n -> arrival time."""
+
+    def __init__(self, path: Path) -> None:
+        path.touch()
+        self.file = path.open()
+        self.seen: dict[int, float] = {}
+
+    def wait(self, n: int, timeout: float = 30.0) -> float:
+        deadline = time.monotonic() + timeout
+        while n not in self.seen:
+            line = self.file.readline()
+            if line.endswith("\n"):
+                at, number = line.split()
+                self.seen[int(number)] = float(at)
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"compensation {n} never reached the server")
+            else:
+                time.sleep(0.0002)
+        return self.seen[n]
+
+
+def step(n: int, name: str = "s") -> StepCompleted:
+    return StepCompleted(
+        step=name, server="trivial", tool="noop", arguments={"n": n}, result={"structuredContent": {"n": n}},
+        recovery=RECOVERY,
+    )  # fmt: skip
+
+
+async def raw_calls(url: str, count: int) -> tuple[list[float], float]:
+    """Per-call latency (s) of `noop_undo` over one warm session, and 10 sequential calls' duration."""
+    async with Client(url) as client:
+        for n in range(RAW, RAW + 50):
+            await client.call_tool("noop_undo", {"n": n})
+        latencies = []
+        for n in range(RAW, RAW + count):  # numbers no workflow uses: the arrivals file sees these too
+            start = time.perf_counter()
+            await client.call_tool("noop_undo", {"n": n})
+            latencies.append(time.perf_counter() - start)
+        sequences = []
+        for _ in range(20):
+            start = time.perf_counter()
+            for n in range(RAW, RAW + 10):
+                await client.call_tool("noop_undo", {"n": n})
+            sequences.append(time.perf_counter() - start)
+    return latencies, statistics.median(sequences)
+
+
+def measure(redis_url: str, workflows: int, unwinds: int) -> list[Row]:
+    r = Redis.from_url(redis_url)
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="saga-bench-latency-") as tmp:
+        workdir = Path(tmp)
+        arrivals_path = workdir / "arrivals"
+        _, url = stack.enter_context(start_http_server(TRIVIAL, env={"SAGA_TRIVIAL_ARRIVALS": str(arrivals_path)}))
+        config = workdir / "saga.toml"
+        config.write_text(f'[servers.trivial]\nurl = "{url}"\n\n[worker]\nattempts = 1\n')
+        procs = [
+            saga_process(role, redis_url=redis_url, config=config, log=workdir / f"{role}.log")
+            for role in ("coordinator", "worker")
+        ]
+        stack.callback(lambda: [stop(p) for p in procs])
+        arrivals = Arrivals(arrivals_path)
+
+        raw, raw_sequence = asyncio.run(raw_calls(url, workflows))
+        base = 10_000_000
+        for n in range(base, base + 30):  # warm the coordinator's and the worker's paths
+            r.xadd(KEYS.events, entry_fields(f"warm-{n}", step(n)))
+            r.xadd(KEYS.events, entry_fields(f"warm-{n}", WorkflowFailed()))
+            arrivals.wait(n, timeout=60)
+
+        latencies = []
+        for n in range(workflows):
+            r.xadd(KEYS.events, entry_fields(f"lat-{n}", step(n)))
+            time.sleep(0.001)  # let the step land first, as it would in a real workflow
+            sent = time.time()
+            r.xadd(KEYS.events, entry_fields(f"lat-{n}", WorkflowFailed()))
+            latencies.append(arrivals.wait(n) - sent)
+
+        durations = []
+        for u in range(unwinds):
+            first = 20_000_000 + u * 100
+            pipe = r.pipeline()
+            for i in range(10):
+                pipe.xadd(KEYS.events, entry_fields(f"unwind-{u}", step(first + i, f"s{i}")))
+            pipe.execute()
+            time.sleep(0.01)
+            sent = time.time()
+            r.xadd(KEYS.events, entry_fields(f"unwind-{u}", WorkflowFailed()))
+            times = [arrivals.wait(first + i) for i in range(10)]
+            order = sorted(range(10), key=lambda i: times[i])
+            assert order == list(range(9, -1, -1)), f"unwind {u} was not LIFO: {order}"
+            durations.append(max(times) - sent)
+
+    ms = 1000
+    raw_p50, raw_p99 = percentile(raw, 0.5) * ms, percentile(raw, 0.99) * ms
+    p50, p99 = percentile(latencies, 0.5) * ms, percentile(latencies, 0.99) * ms
+    unwind_rate = 10 / statistics.median(durations)
+    direct_rate = 10 / raw_sequence
+    return [
+        Row("failure->compensation p50 (ms)", p50, raw_p50, f"<= raw + 5 ({raw_p50 + 5:.1f})", p50 <= raw_p50 + 5),
+        Row("failure->compensation p99 (ms)", p99, raw_p99, f"<= raw + 25 ({raw_p99 + 25:.1f})", p99 <= raw_p99 + 25),
+        Row(
+            "LIFO unwind, 10 steps (comp/s)", unwind_rate, direct_rate, "ratio >= 0.5", unwind_rate / direct_rate >= 0.5
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.splitlines()[0])
+    parser.add_argument("--redis", help="Redis URL (default: a private redis-server)")
+    parser.add_argument("--workflows", type=int, default=1000)
+    parser.add_argument("--unwinds", type=int, default=20)
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    with resolve_redis(args.redis) as url:
+        rows = measure(url, args.workflows, args.unwinds)
+    print_table(rows, "latency and unwind")
+    if args.json:
+        args.json.write_text(json.dumps([row.as_dict() for row in rows], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""One row format and one table for every benchmark, so `python -m bench` prints them together."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass(frozen=True)
+class Row:
+    """A measured figure beside the baseline it is judged against, in the same run."""
+
+    name: str
+    value: float
+    baseline: float | None
+    target: str
+    met: bool | None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.value / self.baseline if self.baseline else None
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self) | {"ratio": self.ratio}
+
+
+def print_table(rows: list[Row], title: str, console: Console | None = None) -> None:
+    table = Table(title=title)
+    for column in ("measure", "value", "baseline", "ratio", "target", "met"):
+        table.add_column(column, justify="left" if column in ("measure", "target") else "right")
+    for row in rows:
+        table.add_row(
+            row.name,
+            _fmt(row.value),
+            "" if row.baseline is None else _fmt(row.baseline),
+            "" if row.ratio is None else f"{row.ratio:.2f}",
+            row.target,
+            {True: "[green]yes[/]", False: "[red]no[/]", None: ""}[row.met],
+        )
+    (console or Console()).print(table)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
