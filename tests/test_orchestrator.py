@@ -311,3 +311,26 @@ async def test_a_result_over_the_cap_keeps_structured_content_or_is_counted_as_u
     step, failed = events(r)
     assert step.data.result["structuredContent"]["blob"] == "x" * 150_000 and "content" not in step.data.result
     assert failed.data.steps_completed == 2 and failed.data.failed_step is None
+
+
+async def test_a_step_that_could_not_be_written_refuses_the_next_call(
+    r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    xadd, writes = ar.xadd, []
+
+    async def first_write_lost(*args: Any, **kwargs: Any) -> Any:
+        writes.append(args)
+        if len(writes) == 1:
+            raise redis.ConnectionError("redis went away")
+        return await xadd(*args, **kwargs)
+
+    monkeypatch.setattr(ar, "xadd", first_write_lost)
+    with pytest.raises(saga.StepNotRecorded, match="1-reserve_inventory"):
+        async with saga.workflow("order-lost", redis=ar, servers=clients) as wf:
+            await wf.call(*ORDER[0])
+            with pytest.raises(saga.StepNotRecorded):
+                await wf.flush()
+            await wf.call(*ORDER[1])  # refused before the tool runs: no new side effect on an unrecorded trail
+    assert wf.steps_completed == 1
+    (failed,) = events(r)
+    assert failed.data.steps_completed == 1 and failed.data.reason.startswith("StepNotRecorded: ")
