@@ -205,6 +205,10 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
         raise InvalidEvent("missing field 'data'")
     if len(raw) > MAX_DATA_BYTES:
         raise InvalidEvent(f"data is {len(raw)} bytes, over the {MAX_DATA_BYTES}-byte cap")
+    try:  # msgspec skips unknown keys without reading them, and `raw` is stored and read elsewhere
+        raw.decode()
+    except UnicodeDecodeError:
+        raise InvalidEvent("field 'data' is not valid UTF-8") from None
     try:
         data = decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError) as exc:
