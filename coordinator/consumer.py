@@ -161,7 +161,8 @@ class Coordinator:
                 if workflow in retry:
                     continue
                 dead.extend(rejected.get(workflow, ()))
-                committed.append(view)
+                if view.state.version:  # else every event was rejected and the workflow does not exist
+                    committed.append(view)
             pending = {w: pending[w] for w in retry}
         if pending:  # pathological contention: leave these unacknowledged, they come back
             log.error("gave up on contended workflows this batch", workflows=sorted(pending))
