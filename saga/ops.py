@@ -587,7 +587,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         known = ", ".join(config.servers) or "none: pass --config FILE or set SAGA_CONFIG"
         raise CliError(f"no server {name!r} in the config (configured: {known})")
     # The pool logs each failed connect as "reconnecting"; here the one-line error below says it all.
-    sessions_log = logging.getLogger("workers.sessions")
+    sessions_log = logging.getLogger("saga.sessions")
     level = sessions_log.level
     sessions_log.setLevel(logging.ERROR)
     try:
