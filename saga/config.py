@@ -101,6 +101,8 @@ class CoordinatorSettings(_Strict):
 
 
 class WorkerSettings(_Strict):
+    # RQ workers per process, sharing one pool of warm sessions (see workers/process.py).
+    concurrency: int = Field(default=4, ge=1, le=64)
     attempts: int = Field(default=5, ge=1, le=100)
     backoff_base: float = Field(default=1.0, ge=0)
     backoff_max: float = Field(default=60.0, ge=0)

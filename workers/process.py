@@ -5,14 +5,21 @@ in a fresh child, losing every session (a stdio server costs 0.6-0.9 s to start)
 of CPU per fork. The scheduler is on because RQ's retry intervals park jobs that only a
 scheduler brings back. Signals are RQ's: SIGTERM or SIGINT finish the job in hand and stop (a
 second one stops at once); the sessions are closed from their owning tasks on the way out.
+
+A process runs `[worker] concurrency` RQ workers over one session pool: the main thread's (which
+owns the signals and the scheduler) and the others in threads. A compensation is mostly waiting
+for its MCP call, so one process with several slots overlaps one job's call with another's RQ
+bookkeeping instead of doing them one after the other.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from redis import Redis
 from rq import Queue, SimpleWorker
+from rq.timeouts import TimerDeathPenalty
 
 from saga.config import Config
 from saga.keys import Keys
@@ -21,6 +28,29 @@ from workers.job import clear_context, set_context
 from workers.sessions import SessionPool
 
 log = get_logger("worker")
+
+
+class SlotWorker(SimpleWorker):
+    """An extra job slot in a thread of the worker process.
+
+    Only the main thread may install signal handlers and use SIGALRM, so a slot installs none and
+    times jobs out with a timer; it waits for jobs a second at a time so that it notices within a
+    second that the process is stopping (RQ's own wait only ends with a job).
+    """
+
+    death_penalty_class = TimerDeathPenalty
+
+    def _install_signal_handlers(self) -> None:
+        pass
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):  # type: ignore[no-untyped-def]
+        if timeout is None:  # burst: one look at the queue
+            return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        while not self._stop_requested:
+            result = super().dequeue_job_and_maintain_ttl(1, max_idle_time=1)
+            if result is not None:
+                return result
+        return None
 
 
 def run_worker(
@@ -43,12 +73,37 @@ def run_worker(
     connection = Redis.from_url(redis_url)
     queue = Queue(Keys(config.prefix).queue, connection=connection)
     worker = SimpleWorker([queue], connection=connection, name=name)
+    slots = [
+        SlotWorker([queue], connection=connection, name=f"{worker.name}.{i}")
+        for i in range(1, config.worker.concurrency)
+    ]
+    threads = [
+        threading.Thread(target=slot.work, kwargs={"burst": burst, "logging_level": logging_level}, daemon=True)
+        for slot in slots
+    ]
     pool = SessionPool(config.servers, tools_ttl=config.worker.tools_ttl)
     set_context(connection, config, pool, worker.name)
-    log.info("worker started", worker=worker.name, queue=queue.name, servers=",".join(config.servers) or "none")
+    log.info(
+        "worker started",
+        worker=worker.name,
+        queue=queue.name,
+        slots=len(slots) + 1,
+        servers=",".join(config.servers) or "none",
+    )
+    for thread in threads:
+        thread.start()
     try:
         worker.work(burst=burst, with_scheduler=True, logging_level=logging_level)
+        if burst:  # slots stop on an empty queue; a retry they queued after the main worker left is still due
+            for thread in threads:
+                thread.join()
+            while queue.count:
+                worker.work(burst=True, logging_level=logging_level)
     finally:
+        for slot in slots:  # each finishes the job in hand, as the main worker did
+            slot._stop_requested = True
+        for thread in threads:
+            thread.join()
         pool.close()
         clear_context()
         connection.close()
