@@ -329,12 +329,10 @@ class Machine:
             for comp in lifo:
                 if comp.status == "pending":
                     self._dispatch(view, comp, now)
-        else:
+        elif not any(c.status in IN_FLIGHT for c in lifo):  # one in flight; a late step waits its turn too
             for comp in lifo:
                 if comp.status in SETTLED:
                     continue
-                if comp.status in IN_FLIGHT:
-                    break
                 if comp.status == "pending":
                     self._dispatch(view, comp, now)
                     break

@@ -110,7 +110,7 @@ class Workflow:
         prefix: str | None = None,
         settle_timeout: float = 30.0,
     ) -> None:
-        if not isinstance(workflow_id, str) or not _WORKFLOW_RE.match(workflow_id):
+        if not isinstance(workflow_id, str) or not _WORKFLOW_RE.fullmatch(workflow_id):
             raise ValueError(f"invalid workflow id {workflow_id!r} (must match {WORKFLOW_ID})")
         if on_failure is not None and on_failure not in get_args(OnFailure):
             raise ValueError(f"on_failure must be one of {get_args(OnFailure)}, not {on_failure!r}")
@@ -191,7 +191,7 @@ class Workflow:
 
     def _step_id(self, tool: str, step: str | None) -> str:
         if step is not None:
-            if not isinstance(step, str) or not _STEP_RE.match(step):
+            if not isinstance(step, str) or not _STEP_RE.fullmatch(step):
                 raise ValueError(f"invalid step id {step!r} (must match {STEP_ID})")
             if step in self._used:
                 raise ValueError(f"step id {step!r} is already used in workflow {self.id!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -29,12 +30,17 @@ def config_of(args: argparse.Namespace) -> Config:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    # A stop requested while the process is still starting is honoured too: exit 0, nothing read.
+    early: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: early.append(signum))
     import redis
 
     from coordinator.consumer import Coordinator
 
     config = config_of(args)
-    return Coordinator(redis.Redis.from_url(redis_url(args)), config, name=args.name).run()
+    coordinator = Coordinator(redis.Redis.from_url(redis_url(args)), config, name=args.name)
+    return 0 if early else coordinator.run()
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

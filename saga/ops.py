@@ -84,7 +84,7 @@ def _with_redis(fn: Callable[[Ops], int]) -> Callable[[argparse.Namespace], int]
 
 
 def _check_workflow_id(workflow: str) -> None:
-    if not re.match(WORKFLOW_ID, workflow):
+    if not re.fullmatch(WORKFLOW_ID, workflow):
         raise CliError(f"invalid workflow id {workflow[:80]!r} (must match {WORKFLOW_ID})")
 
 
@@ -343,7 +343,7 @@ def _operator(command: str) -> Callable[[Ops], int]:
             raise CliError(f"--by must be 1 to {MAX_BY} characters")
         if len(note) > MAX_NOTE:
             raise CliError(f"--note is {len(note)} characters; at most {MAX_NOTE}")
-        if step is not None and not re.match(STEP_ID, step):
+        if step is not None and not re.fullmatch(STEP_ID, step):
             raise CliError(f"invalid step id {step[:80]!r} (must match {STEP_ID})")
         state, comps = load_workflow(ops, workflow)
         if state.status not in UNWINDING:

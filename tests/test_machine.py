@@ -253,3 +253,14 @@ def test_overlay_wins_over_server_declaration_and_is_noted() -> None:
     comp = view.comps["a"]
     assert (comp.source, comp.operation_id, comp.arguments) == ("overlay", "cancel_reservation", {"id": "X"})
     assert any(e["type"] == "overlay-override" for e in view.log)
+
+
+def test_a_late_step_waits_for_the_compensation_in_flight(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), step("b"), WorkflowFailed())
+    (first,) = view.jobs
+    view.jobs.clear()
+    fold(machine, view, step("late"))
+    assert view.jobs == []  # "b" is still in flight: one at a time
+    fold(machine, view, CompensationSucceeded(step="b", dispatch=first.dispatch))
+    assert [j.step for j in view.jobs] == ["late"]  # the latest completion goes first
+    assert settle(machine, view) == ["late", "a"]
