@@ -17,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from saga.config import Config
 from saga.keys import DEAD_AT, DEAD_ID, DEAD_REASON, Keys
@@ -32,6 +34,8 @@ log = get_logger("coordinator")
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 MAX_CONFLICT_RETRIES = 20
+# Longest pause between attempts while Redis is unreachable (restart, failover, network).
+MAX_OUTAGE_BACKOFF = 2.0
 
 
 @dataclass
@@ -74,12 +78,23 @@ class Coordinator:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
-        self.ensure_group()
-        log.info("coordinator started", consumer=self.name, stream=self.keys.events, group=self.keys.group)
-        # Our own pending entries first (a restart under the same name), then new ones.
-        self.process(self._read("0"), redelivered=True)
+        started, delay = False, 0.0
         while not self.stopping:
-            self.step()
+            try:
+                if not started:
+                    self.ensure_group()
+                    log.info("coordinator started", consumer=self.name, stream=self.keys.events, group=self.keys.group)
+                    # Our own pending entries first (a restart under the same name), then new ones.
+                    self.process(self._read("0"), redelivered=True)
+                    started = True
+                self.step()
+                delay = 0.0
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                # A Redis restart must not end the process: a batch cut short is exactly a crash
+                # mid-batch (its entries stay pending and are claimed again), so wait and go on.
+                delay = min(MAX_OUTAGE_BACKOFF, delay * 2 or 0.05)
+                log.warning("redis unreachable; retrying", error=str(exc), retry_in=delay)
+                time.sleep(delay)
         log.info("coordinator stopped", consumer=self.name)
         return 0
 
