@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import redis.asyncio as aioredis
 from redis import Redis as SyncRedis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 
 from saga.recovery_wire import ToolDeclaration, read_tool_declarations
 from schemas.events import MAX_DATA_BYTES, STEP_ID, WORKFLOW_ID, FailedStep, WorkflowCompleted, encode_payload
@@ -145,7 +147,10 @@ class Workflow:
     async def __aenter__(self) -> Workflow:
         if self._state != "new":
             raise RuntimeError(f"workflow {self.id!r} was already entered; create a new one per run")
-        connection = aioredis.Redis.from_url(self._url) if self._url is not None else self._redis
+        # redis-py's from_url connects without retries (Redis() has them): without these, a Redis
+        # restart of a few milliseconds fails every step written meanwhile. A repeated XADD is harmless.
+        retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
+        connection = aioredis.Redis.from_url(self._url, retry=retry) if self._url is not None else self._redis
         self.publisher = AsyncPublisher(connection, self._prefix)
         self._state = "open"
         return self
