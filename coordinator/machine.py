@@ -37,6 +37,15 @@ from schemas.records import IN_FLIGHT, SETTLED, UNWINDING, Compensation, Compens
 from .planner import plan_step
 
 
+def timeline_entry(kind: str, now: float, step: str | None = None, **detail: object) -> dict[str, str]:
+    """One entry of `saga:{wf}:log`: flat string fields, readable with XRANGE."""
+    entry = {"type": kind, "at": f"{now:.6f}"}
+    if step is not None:
+        entry["step"] = step
+    entry.update({k: str(v) for k, v in detail.items() if v is not None and v != ""})
+    return entry
+
+
 class Rejected(Exception):
     """An event that is well-formed but makes no sense for this workflow: dead-letter it."""
 
@@ -67,11 +76,7 @@ class WorkflowView:
         return bool(self.new_steps or self.changed or self.log or self.state.version != self.loaded_version)
 
     def note(self, kind: str, now: float, step: str | None = None, **detail: object) -> None:
-        entry = {"type": kind, "at": f"{now:.6f}"}
-        if step is not None:
-            entry["step"] = step
-        entry.update({k: str(v) for k, v in detail.items() if v is not None and v != ""})
-        self.log.append(entry)
+        self.log.append(timeline_entry(kind, now, step, **detail))
         self.changes += 1
 
     def put(self, comp: Compensation, now: float) -> None:
@@ -161,29 +166,41 @@ class Machine:
         if state.status == "completed":
             raise Rejected(f"step {data.step!r} arrived after the workflow completed")
         late = state.status in UNWINDING
-        plan = plan_step(view.workflow, data, state.steps, self.config.overlay(data.server, data.tool), now)
-        comp = plan.compensation
-        comp.late = late
+        comp, entries = self.plan_step(view.workflow, data, state.steps, late, now)
         view.put(comp, now)
         view.new_steps.append(event.raw)
         state.steps += 1
-        view.note(
-            "late-step" if late else "step-completed",
-            now,
-            data.step,
-            server=data.server,
-            tool=data.tool,
-            plan=comp.status,
-            operation=comp.operation_id,
-            source=comp.source,
-            reason=comp.reason,
-        )
-        for note in plan.notes:
-            view.note("overlay-override", now, data.step, detail=note)
+        view.log += entries
         if late and state.status in ("compensated", "needs-attention"):
             state.status = "compensating"
         if state.status == "failed" and state.steps >= state.expected_steps:
             self._unwind(view, now)
+
+    def plan_step(
+        self, workflow: str, data: StepCompleted, seq: int, late: bool, now: float
+    ) -> tuple[Compensation, list[dict[str, str]]]:
+        """A step's compensation plan and the timeline entries that record it (also for the fast path)."""
+        plan = plan_step(workflow, data, seq, self.config.overlay(data.server, data.tool), now)
+        comp = plan.compensation
+        comp.late = late
+        # The step stack already records every step; the timeline records the ones that need a
+        # word: late, not compensable (skipped, unrecoverable, and why), or planned from an overlay.
+        entries = []
+        if late or comp.status != "pending" or comp.source == "overlay":
+            entries.append(
+                timeline_entry(
+                    "late-step" if late else "step-planned",
+                    now,
+                    data.step,
+                    tool=data.tool,
+                    plan=comp.status,
+                    operation=comp.operation_id,
+                    source=comp.source,
+                    reason=comp.reason,
+                )
+            )
+        entries += [timeline_entry("overlay-override", now, data.step, detail=note) for note in plan.notes]
+        return comp, entries
 
     def _failed(self, view: WorkflowView, data: WorkflowFailed, now: float) -> None:
         state = view.state

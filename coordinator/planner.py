@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from schemas.events import StepCompleted
 from schemas.expressions import UnresolvableError, resolve_parameters
 from schemas.records import Compensation, idempotency_key
 from schemas.recovery import Recovery, RecoveryError, parse_recovery
+
+_encoder = msgspec.json.Encoder(order="sorted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +32,11 @@ def plan_step(workflow: str, step: StepCompleted, seq: int, overlay: Recovery | 
     declared: Recovery | None = None
     problem: str | None = None
     if step.recovery is not None:
-        try:
-            declared = parse_recovery(step.recovery)
-        except RecoveryError as exc:
-            problem = f"the step's recovery declaration is invalid: {exc}"
+        parsed = _declaration(step.recovery)
+        if isinstance(parsed, Recovery):
+            declared = parsed
+        else:
+            problem = f"the step's recovery declaration is invalid: {parsed}"
 
     base = Compensation(step=step.step, seq=seq, server=step.server, tool=step.tool, status="pending", updated_at=now)
     if overlay is not None:
@@ -66,6 +71,24 @@ def plan_step(workflow: str, step: StepCompleted, seq: int, overlay: Recovery | 
         return Plan(_mark(base, "unrecoverable", f"recovery unavailable: {exc}", source), tuple(notes))
     base.idempotency_key = idempotency_key(workflow, step.step, operation.operation_id)
     return Plan(base, tuple(notes))
+
+
+_declarations: dict[bytes, Recovery | RecoveryError] = {}
+
+
+def _declaration(data: dict) -> Recovery | RecoveryError:
+    """Parse a declaration once per distinct text: every step of one tool carries the same one."""
+    key = _encoder.encode(data)
+    found = _declarations.get(key)
+    if found is None:
+        if len(_declarations) >= 4096:
+            _declarations.clear()
+        try:
+            found = parse_recovery(data)
+        except RecoveryError as exc:
+            found = exc
+        _declarations[key] = found
+    return found
 
 
 def _mark(comp: Compensation, status: str, reason: str, source: str | None) -> Compensation:

@@ -14,7 +14,7 @@ from redis import Redis
 
 from saga.config import CoordinatorSettings
 from saga.keys import STATUSES, Keys
-from schemas.records import comp_decoder, comp_encoder, state_from_hash
+from schemas.records import Compensation, comp_decoder, comp_encoder, state_from_hash
 
 from .machine import WorkflowView
 
@@ -31,6 +31,7 @@ class Store:
         self.keys = keys
         self.settings = settings
         self._apply = redis.register_script(load_script("apply.lua"))
+        self._record_steps = redis.register_script(load_script("record_steps.lua"))
         self._gc_cursor: dict[str, int] = {}
 
     def load(self, wanted: dict[str, tuple[bool, Iterable[str]]]) -> dict[str, WorkflowView]:
@@ -87,6 +88,33 @@ class Store:
                     args += (k, v)
             self._apply(keys=self.keys.workflow_keys(view.workflow), args=args, client=pipe)
         return [bool(ok) for ok in pipe.execute()]
+
+    def record_steps(
+        self, batches: dict[str, list[tuple[Compensation, bytes, list[dict[str, str]]]]], now: float
+    ) -> dict[str, tuple[bool, int] | None]:
+        """Record new steps of workflows believed running, without loading them first.
+
+        workflow -> (created?, steps recorded), or None where the workflow is not running after all
+        (the caller then folds those events through the compare-and-set path).
+        """
+        pipe = self.redis.pipeline(transaction=False)
+        ttl = self.settings.idle_ttl
+        for workflow, steps in batches.items():
+            args: list[str | bytes | int] = [f"{now:.6f}", ttl, LOG_MAXLEN, len(steps)]
+            for comp, raw, entries in steps:
+                record = comp_encoder.encode(comp)
+                assert record.startswith(b'{"step":"%s","seq":0,' % comp.step.encode())  # what the script patches
+                args += (comp.step, record, raw, len(entries))
+                for entry in entries:
+                    args.append(len(entry))
+                    for k, v in entry.items():
+                        args += (k, v)
+            self._record_steps(keys=self.keys.workflow_keys(workflow), args=args, client=pipe)
+        replies = pipe.execute()
+        return {
+            workflow: None if reply == -1 else (bool(reply[0]), int(reply[1]))
+            for workflow, reply in zip(batches, replies, strict=True)
+        }
 
     def follow_up(self, views: list[WorkflowView], deadlines: dict[str, float | None], extra: list) -> None:
         """Index, outcomes and watchdog deadlines for committed views, plus the caller's acks."""

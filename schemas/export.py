@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 
 from schemas.events import PAYLOAD_TYPES
-from schemas.recovery import Recovery
 from schemas.records import Compensation, CompensationJob
+from schemas.recovery import Recovery
 
 OUT = Path(__file__).resolve().parent / "json"
 

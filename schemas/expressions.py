@@ -30,6 +30,7 @@ recovery unavailable, never a call with partial or default arguments.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any, Literal
@@ -102,6 +103,12 @@ def parse_value(value: Any) -> Binding:
         return value
     if not isinstance(value, str):
         return Constant(value)
+    return _parse_text(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_text(value: str) -> Binding:
+    """Cached: the same few declarations are resolved for every step of every workflow."""
     if value.startswith("$"):
         return _parse_expression(value)
     if "{$" in value:

@@ -58,27 +58,27 @@ def resolve_pointer(doc: Any, tokens: Iterable[str]) -> Any:
     tokens = tuple(tokens)
     node = doc
     for depth, token in enumerate(tokens):
-        at = format_pointer(tokens[: depth + 1])
         if isinstance(node, Mapping):
             if token not in node:
-                raise PointerError(f"key {token!r} missing", at)
+                raise PointerError(f"key {token!r} missing", format_pointer(tokens[: depth + 1]))
             node = node[token]
         elif isinstance(node, list | tuple):
-            node = node[_index(token, len(node), at)]
+            node = node[_index(token, len(node), tokens[: depth + 1])]
         else:
-            raise PointerError(f"cannot look up {token!r} in {json_type(node)}", at)
+            raise PointerError(f"cannot look up {token!r} in {json_type(node)}", format_pointer(tokens[: depth + 1]))
     return node
 
 
-def _index(token: str, length: int, at: str) -> int:
+def _index(token: str, length: int, path: tuple[str, ...]) -> int:
+    """The array index a token names; the path (formatted only for an error) says where."""
     if token == "-":
-        raise PointerError("'-' (past the last element) never resolves", at)
+        raise PointerError("'-' (past the last element) never resolves", format_pointer(path))
     if not _INDEX.fullmatch(token):
         why = " (leading zero)" if token[:1] == "0" and token.isascii() and token.isdigit() else ""
-        raise PointerError(f"{token!r} is not an array index{why}", at)
+        raise PointerError(f"{token!r} is not an array index{why}", format_pointer(path))
     index = int(token)
     if index >= length:
-        raise PointerError(f"index {index} out of range (length {length})", at)
+        raise PointerError(f"index {index} out of range (length {length})", format_pointer(path))
     return index
 
 

@@ -186,7 +186,7 @@ def test_inspect_json_is_complete(stuck: str, saga: Run) -> None:
     assert records["reserve"]["status"] == "pending"
     assert records["reserve"]["operationId"] == "release_inventory"
     types = [e["type"] for e in data["timeline"]]
-    assert types[:3] == ["step-completed", "step-completed", "workflow-failed"]
+    assert types[0] == "workflow-failed"  # compensable steps are on the stack, not the timeline
     assert "compensation-failed" in types
     assert all(e["id"] and e["at"] for e in data["timeline"])
 

@@ -90,7 +90,9 @@ async def run_failing_workflow(workflow: str, redis_url: str, config: Path, bina
     params = StdioServerParameters(command=str(binary), args=["--repository", str(repo)])
     async with Client(params) as client:
         with pytest.raises(RuntimeError, match="later step"):
-            async with saga.workflow(workflow, redis=redis_url, servers={"git": client}, config=load_config(config)) as wf:
+            async with saga.workflow(
+                workflow, redis=redis_url, servers={"git": client}, config=load_config(config)
+            ) as wf:
                 arguments = {"repo_path": str(repo)} | ({"files": ["new.txt"]} if tool == "git_add" else {})
                 await wf.call("git", tool, arguments)
                 raise RuntimeError("a later step failed")
@@ -107,8 +109,9 @@ def test_git_add_is_undone_by_the_overlay(
     try:
         asyncio.run(run_failing_workflow("git-1", redis_url, config, mcp_server_git, repo, "git_add"))
         status = wait_for(
-            lambda: r.hget(K.state("git-1"), "status") in (b"compensated", b"needs-attention") and r.hget(
-                K.state("git-1"), "status"
+            lambda: (
+                r.hget(K.state("git-1"), "status") in (b"compensated", b"needs-attention")
+                and r.hget(K.state("git-1"), "status")
             ),
             60,
             "the unwind",

@@ -230,7 +230,7 @@ def assert_refused(
         assert (refused["status"], refused["reason"]) == (status, comp.reason)
         assert len(dispatched) == 1
     else:
-        [planned] = [e for e in entries if e["type"] == "step-completed" and e.get("step") == step]
+        [planned] = [e for e in entries if e["type"] == "step-planned" and e.get("step") == step]
         assert (planned["plan"], planned["reason"]) == (status, comp.reason)
         assert dispatched == []  # the coordinator refused: no worker was even asked
 
