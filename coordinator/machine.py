@@ -405,6 +405,7 @@ class Machine:
             source=comp.source or "server",
             approved=comp.approved,
             prefix=self.prefix,
+            seq=comp.seq,
         )
 
     def _touch(self, view: WorkflowView, before: str | None, now: float) -> None:

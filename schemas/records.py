@@ -107,6 +107,8 @@ class CompensationJob(Struct, rename="camel", frozen=True):
     source: Literal["server", "overlay"] = "server"
     approved: bool = False
     prefix: str = "saga"
+    # The step's place on the stack, so the worker reads the step with the record (-1: unknown).
+    seq: int = -1
 
     @property
     def job_id(self) -> str:

@@ -132,6 +132,7 @@ class _Attempt:
         self.token = f"{ctx.name}:{uuid.uuid4().hex}"
         self.started = time.monotonic()
         self.report: Payload | None = None
+        self.step_raw: bytes | None = None
 
     def run(self) -> str:
         job, redis = self.job, self.ctx.redis
@@ -139,7 +140,10 @@ class _Attempt:
         with redis.pipeline(transaction=False) as pipe:
             pipe.set(self.lease_key, self.token, nx=True, px=int(self.ctx.config.worker.lease * 1000))
             pipe.hget(self.keys.comp(job.workflow), job.step)
-            leased, raw = pipe.execute()
+            if job.seq >= 0:  # the recorded step, which the trust checks compare the live declaration with
+                pipe.lindex(self.keys.steps(job.workflow), job.seq)
+            leased, raw, *step = pipe.execute()
+        self.step_raw = step[0] if step else None
         record = comp_decoder.decode(raw) if raw else None
         skip = self._skip_reason(record)
         if skip or not leased:
@@ -200,7 +204,9 @@ class _Attempt:
         refusal = trust.check_request(job, record, config)
         if refusal is not None:
             return refusal, {}
-        raw = self.ctx.redis.lindex(self.keys.steps(job.workflow), record.seq)
+        raw = self.step_raw
+        if job.seq != record.seq:  # a job from before `seq` was carried: read the step now
+            raw = self.ctx.redis.lindex(self.keys.steps(job.workflow), record.seq)
         step = msgspec.json.decode(raw, type=StepCompleted) if raw is not None else None
         tools = pool.tools(job.server)
         refusal = trust.check_live(job, record, config, tools, step)
