@@ -18,6 +18,8 @@ import logging
 import threading
 
 from redis import Redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 from rq import Queue, SimpleWorker
 from rq.timeouts import TimerDeathPenalty
 
@@ -70,7 +72,9 @@ def run_worker(
                 "call timeout is not below the lease: a slow call may outlive its lease",
                 server=server, timeout=settings.timeout, lease=config.worker.lease,
             )  # fmt: skip
-    connection = Redis.from_url(redis_url)
+    # redis-py's from_url connects without retries: a Redis restart during a job then escaped RQ's
+    # failure handling and ended the process. With these, a restart of a few seconds goes unnoticed.
+    connection = Redis.from_url(redis_url, retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10))
     queue = Queue(Keys(config.prefix).queue, connection=connection)
     worker = SimpleWorker([queue], connection=connection, name=name)
     slots = [
