@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.table import Row
+
 REPO = Path(__file__).resolve().parents[1]
 DELAY = 0.002
 
@@ -80,19 +82,31 @@ async def measure(client: object, redis_url: str, calls: int, steps: int, rounds
     return times
 
 
-async def run(args: argparse.Namespace, redis_url: str) -> None:
+async def timings(redis_url: str, *, http: bool, calls: int, steps: int, rounds: int) -> dict[str, list[float]]:
     from mcp import Client, StdioServerParameters
 
-    if args.http:
+    if http:
         from saga.procs import start_http_server
 
         with start_http_server("bench.publisher", "--serve") as (_, url):
             async with Client(url) as client:
-                times = await measure(client, redis_url, args.calls, args.steps, args.rounds)
-    else:
-        params = StdioServerParameters(command=sys.executable, args=["-m", "bench.publisher", "--serve"], cwd=str(REPO))
-        async with Client(params) as client:
-            times = await measure(client, redis_url, args.calls, args.steps, args.rounds)
+                return await measure(client, redis_url, calls, steps, rounds)
+    params = StdioServerParameters(command=sys.executable, args=["-m", "bench.publisher", "--serve"], cwd=str(REPO))
+    async with Client(params) as client:
+        return await measure(client, redis_url, calls, steps, rounds)
+
+
+def rows(redis_url: str, *, http: bool = False, calls: int = 100, steps: int = 10, rounds: int = 20) -> list[Row]:
+    """The suite's row: the wrapper's per-call time against a bare call, medians over rounds."""
+    times = asyncio.run(timings(redis_url, http=http, calls=calls, steps=steps, rounds=rounds))
+    bare, wrapped = statistics.median(times["bare"]) * 1000, statistics.median(times["wrapped"]) * 1000
+    return [
+        Row(f"publisher: wf.call at a {DELAY * 1000:g} ms tool (ms)", wrapped, bare, "<= 1.10", wrapped <= 1.1 * bare)
+    ]
+
+
+async def run(args: argparse.Namespace, redis_url: str) -> None:
+    times = await timings(redis_url, http=args.http, calls=args.calls, steps=args.steps, rounds=args.rounds)
     transport = "streamable HTTP" if args.http else "stdio"
     print(f"tool sleeps {DELAY * 1000:g} ms, {transport}, {args.steps} calls per workflow (end event included);")
     print(f"{args.rounds} rounds of {args.calls} calls each way, order shuffled; load average {os.getloadavg()[0]:.2f}")

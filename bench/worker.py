@@ -34,6 +34,7 @@ from mcp import Client
 from redis import Redis
 from rq import Queue, SimpleWorker
 
+from bench.table import Row
 from examples import TRIVIAL
 from saga.config import ServerConfig, WorkerSettings
 from saga.keys import Keys
@@ -121,6 +122,38 @@ def compensations_per_second(redis: Redis, url: str, config: Path, jobs: int, wo
     return len(counted) / ((counted[-1] - warm) / 1000)
 
 
+def rows(
+    redis_url: str, *, http: bool = True, calls: int = 1200, jobs: int = 600, workers: tuple[int, ...] = (1, 2, 4)
+) -> list[Row]:
+    """The suite's rows: one worker process against min(raw calls/s, RQ no-op jobs/s), then 1, 2, 4."""
+    with ExitStack() as stack:
+        target = stack.enter_context(start_http_server(TRIVIAL))[1] if http else None
+        config = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "bench.toml"
+        write_config(config, target)
+        redis = Redis.from_url(redis_url)
+        a, _ = calls_per_second(target, calls)
+        b = rq_jobs_per_second(redis, jobs)
+        c = {n: compensations_per_second(redis, redis_url, config, jobs, n) for n in workers}
+        redis.flushdb()
+    floor = min(a, b)
+    found = [
+        Row("worker: raw warm call_tool (calls/s)", a, None, "", None),
+        Row("worker: RQ SimpleWorker no-op (jobs/s)", b, None, "", None),
+        Row(
+            "worker: compensations/s, 1 process", c[workers[0]], floor, ">= 0.7 of min", c[workers[0]] >= TARGET * floor
+        ),
+    ]
+    found += [Row(f"worker: compensations/s, {n} processes", c[n], c[workers[0]], "scales", None) for n in workers[1:]]
+    return found
+
+
+def write_config(path: Path, target: str | None) -> None:
+    server_toml = f"url = {json.dumps(target)}" if target else (
+        f"command = {json.dumps([sys.executable, '-m', TRIVIAL])}\ncwd = {json.dumps(str(REPO))}"
+    )  # fmt: skip
+    path.write_text(f'prefix = "{PREFIX}"\n[servers.trivial]\n{server_toml}\n')
+
+
 def _server(url: str | None) -> ServerConfig:
     if url:
         return ServerConfig(url=url)
@@ -147,10 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             url = server.url
         target = stack.enter_context(start_http_server(TRIVIAL))[1] if args.http else None
         config = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "bench.toml"
-        server_toml = f"url = {json.dumps(target)}" if target else (
-            f"command = {json.dumps([sys.executable, '-m', TRIVIAL])}\ncwd = {json.dumps(str(REPO))}"
-        )  # fmt: skip
-        config.write_text(f'prefix = "{PREFIX}"\n[servers.trivial]\n{server_toml}\n')
+        write_config(config, target)
         redis = Redis.from_url(url)
         redis.flushdb()
         # Other load on the machine only ever slows a run down, so the best of a few rounds is the
