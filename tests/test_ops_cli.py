@@ -443,7 +443,8 @@ def test_stats_and_dead_letters(r: redis.Redis, coord: Coordinator, stuck: str, 
     assert stats["outcomes"] == r.xlen(KEYS.outcomes) > 0
     assert stats["events"]["length"] == r.xlen(KEYS.events)
     [group] = stats["events"]["groups"]
-    assert (group["name"], group["consumers"], group["pending"], group["lag"]) == ("coordinators", 1, 0, 0)
+    assert (group["name"], group["consumers"], group["pending"]) == ("coordinators", 1, 0)
+    assert group["lag"] in (0, None)  # Redis reports no lag (null) once entries were trimmed below the group
 
     code, out, _ = saga("stats")
     assert code == 0 and "needs-attention" in out and "coordinators" in out and "saga:dead-letter" in out
