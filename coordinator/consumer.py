@@ -214,7 +214,7 @@ class Coordinator:
         for workflow, items in groups.items():
             if all(isinstance(e.data, StepCompleted) for e, _ in items):
                 batches[workflow] = [
-                    (*self.machine.plan_step(workflow, e.data, 0, False, now), e.raw)  # type: ignore[arg-type]
+                    (*self.machine.plan_step(workflow, e.data, 0, False, now, e.id), e.raw)  # type: ignore[arg-type]
                     for e, _ in items
                 ]
         if not batches:

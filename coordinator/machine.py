@@ -86,6 +86,14 @@ class WorkflowView:
         self.changes += 1
 
 
+def completion_order(comp: Compensation) -> tuple[int, int, int]:
+    """Where the step's event sits in the stream (XADD order is completion order), then arrival."""
+    ms, _, n = comp.event_id.partition("-")
+    if ms.isdigit() and n.isdigit():
+        return int(ms), int(n), comp.seq
+    return 0, 0, comp.seq
+
+
 class Machine:
     def __init__(self, config: Config, prefix: str = "saga") -> None:
         self.config = config
@@ -166,7 +174,7 @@ class Machine:
         if state.status == "completed":
             raise Rejected(f"step {data.step!r} arrived after the workflow completed")
         late = state.status in UNWINDING
-        comp, entries = self.plan_step(view.workflow, data, state.steps, late, now)
+        comp, entries = self.plan_step(view.workflow, data, state.steps, late, now, event.id)
         view.put(comp, now)
         view.new_steps.append(event.raw)
         state.steps += 1
@@ -177,12 +185,13 @@ class Machine:
             self._unwind(view, now)
 
     def plan_step(
-        self, workflow: str, data: StepCompleted, seq: int, late: bool, now: float
+        self, workflow: str, data: StepCompleted, seq: int, late: bool, now: float, event_id: str = ""
     ) -> tuple[Compensation, list[dict[str, str]]]:
         """A step's compensation plan and the timeline entries that record it (also for the fast path)."""
         plan = plan_step(workflow, data, seq, self.config.overlay(data.server, data.tool), now)
         comp = plan.compensation
         comp.late = late
+        comp.event_id = event_id
         # The step stack already records every step; the timeline records the ones that need a
         # word: late, not compensable (skipped, unrecoverable, and why), or planned from an overlay.
         entries = []
@@ -341,7 +350,7 @@ class Machine:
         state = view.state
         if state.status not in ("compensating", "needs-attention"):
             return
-        lifo = sorted(view.comps.values(), key=lambda c: c.seq, reverse=True)
+        lifo = sorted(view.comps.values(), key=completion_order, reverse=True)
         if state.parallel:
             for comp in lifo:
                 if comp.status == "pending":

@@ -91,6 +91,9 @@ class Compensation(Struct, rename="camel", omit_defaults=False):
     approved: bool = False
     queued_at: float = 0.0
     updated_at: float = 0.0
+    # Stream id of the step's step-completed entry. LIFO follows it, not `seq` (arrival order): a
+    # step claimed from a crashed coordinator arrives after later ones but must still be undone after them.
+    event_id: str = ""
 
 
 class CompensationJob(Struct, rename="camel", frozen=True):
