@@ -330,32 +330,9 @@ class Workflow:
         self._raise_write_error()
 
 
-def workflow(
-    workflow_id: str,
-    *,
-    redis: aioredis.Redis | str | None = None,
-    servers: Mapping[str, Client],
-    config: Config | None = None,
-    parallel: bool | None = None,
-    on_failure: OnFailure | None = None,
-    prefix: str | None = None,
-    settle_timeout: float = 30.0,
-) -> Workflow:
-    """`async with workflow("order-42", redis=..., servers={"payments": client}) as wf:`; see `Workflow`.
-
-    `redis` defaults to `$REDIS_URL`; `parallel` and `on_failure` ("halt" | "continue") override the
-    coordinator's unwind defaults for this workflow; `config` supplies recovery overlays and the prefix.
-    """
-    return Workflow(
-        workflow_id,
-        redis=redis,
-        servers=servers,
-        config=config,
-        parallel=parallel,
-        on_failure=on_failure,
-        prefix=prefix,
-        settle_timeout=settle_timeout,
-    )
+# `saga.workflow("order-42", redis=..., servers={"payments": client})`: the lowercase name reads as
+# what it is used as, an `async with` block; the class documents the arguments.
+workflow = Workflow
 
 
 __all__ = ["StepNotRecorded", "ToolCallFailed", "Workflow", "forget_declarations", "workflow"]
