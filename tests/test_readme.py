@@ -42,3 +42,21 @@ def test_redis_cli_publishing_example_is_compensated(r: redis.Redis, redis_url: 
         assert not r.xlen(keys.dead_letter)
     finally:
         assert stop(coordinator) == 0
+
+
+def test_configuration_reference_is_a_valid_config() -> None:
+    import tomllib
+
+    from saga.config import parse_config
+
+    section = README.read_text().split("## Configuration", 1)[1]
+    block = re.search(r"```toml\n(.*?)```", section, re.S)
+    assert block
+    config = parse_config(tomllib.loads(block.group(1)), source="README")
+    assert set(config.servers) == {"payments", "inventory", "git"}
+    assert config.policy.decide("payments", "refund_payment") == "approval"
+    assert config.overlay("git", "git_add") is not None
+    defaults = parse_config({})
+    # The reference shows the defaults: keep the two in step.
+    assert config.coordinator == defaults.coordinator
+    assert config.worker == defaults.worker
