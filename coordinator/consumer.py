@@ -327,8 +327,10 @@ class Coordinator:
         floor: list[str] = []
         for group in groups:
             name = group["name"]
-            if group["pending"]:
-                oldest = self.redis.xpending(self.keys.events, name)["min"]
+            # Another coordinator may ack the last pending entries between the two reads: then there
+            # is no oldest one, and the delivered position read above is still a safe floor.
+            oldest = self.redis.xpending(self.keys.events, name)["min"] if group["pending"] else None
+            if oldest is not None:
                 floor.append(oldest.decode() if isinstance(oldest, bytes) else oldest)
             else:
                 last = group["last-delivered-id"]
