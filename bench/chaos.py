@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -41,6 +42,7 @@ from examples.ledger import TRANSIENT_PREFIX, read_state
 from saga.keys import DEAD_REASON, STATUSES, Keys
 from saga.procs import REPO, free_port, saga_process, wait_until_accepting
 from saga.redis_server import NoRedisError, RedisServer, find_redis_server
+from workers.job import CRASH_AFTER_CALL_ENV
 
 SERVERS = ("inventory", "payments", "shipping")
 # tool -> (server, field of the result naming the holding it created, status it creates)
@@ -69,6 +71,7 @@ class Settings:
     kills: int = 5  # SIGKILLs of coordinators, and as many of workers
     server_restarts: int = 1
     redis_restarts: int = 1
+    crashes_after_call: int = 2  # extra workers that die between a compensation call and its report
     min_steps: int = 3
     max_steps: int = 5
     fail_share: float = 0.4  # share of workflows that fail, at a random step
@@ -121,6 +124,8 @@ class Report:
     transport_errors: int = 0  # compensation calls that got no answer (the server restart)
     dispatches: int = 0
     redispatches: int = 0
+    crashes_after_call: int = 0
+    crash_repeats: int = 0  # of those, compensations whose call had taken effect and was made again
     repeat_calls: int = 0  # compensation calls that reached a server again for an already-applied key
     duplicate_jobs_stopped: int = 0  # job runs that a worker skipped (already settled, stale, leased)
     double_effects: int = 0
@@ -155,7 +160,8 @@ class Report:
             (
                 "kills survived",
                 f"{self.coordinator_kills} coordinator, {self.worker_kills} worker "
-                f"({self.worker_kills_mid_job} mid-job), SIGKILL",
+                f"({self.worker_kills_mid_job} mid-job), SIGKILL; {self.crashes_after_call} workers died "
+                "between a call and its report",
             ),
             ("server restarts", str(self.server_restarts)),
             ("redis restarts", f"{self.redis_restarts} (append-only file on)"),
@@ -165,8 +171,8 @@ class Report:
             ),
             (
                 "repeats absorbed",
-                f"{self.repeat_calls} calls by the idempotency key, "
-                f"{self.duplicate_jobs_stopped} job runs by the record/lease",
+                f"{self.repeat_calls} calls by the idempotency key ({self.crash_repeats} after a worker died between "
+                f"call and report), {self.duplicate_jobs_stopped} job runs by the record or lease",
             ),
             ("double effects", str(self.double_effects)),
             ("out of LIFO order", str(self.out_of_order)),
@@ -433,6 +439,16 @@ def _terminate(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
             proc.wait()
 
 
+@dataclass
+class Doomed:
+    """A worker started to die between a call and its report; `died` once it did (wall clock)."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    children: list[int] = field(default_factory=list)
+    died: float | None = None
+
+
 class Cluster:
     """Everything the run starts: Redis (AOF), three example servers, coordinators and workers."""
 
@@ -446,6 +462,8 @@ class Cluster:
         self.restarts: Counter[str] = Counter()
         self.unexpected: list[str] = []
         self.busy_kills = 0
+        self.crashes = 0
+        self.doomed: list[Doomed] = []
         self._names: dict[int, str] = {}
         self.config = workdir / "saga.toml"
 
@@ -549,8 +567,40 @@ class Cluster:
         self.restarts["redis"] += 1
         self.out(f"  restarted redis-server with AOF ({time.monotonic() - started:.2f} s down)")
 
+    def spawn_doomed(self) -> None:
+        """An extra worker that SIGKILLs itself right after its first compensation call returns.
+
+        It uses the worker's test hook (`workers.job.CRASH_AFTER_CALL_ENV`): the call reached the
+        server, the report never leaves, so the watchdog dispatches the same compensation again
+        and only the idempotency key keeps the effect single. Random kills rarely land there.
+        """
+        n = len(self.doomed) + 1
+        log = self.workdir / f"doomed-{n}.log"
+        env = {"SAGA_LOG": "json", CRASH_AFTER_CALL_ENV: "1"}
+        proc = saga_process("worker", "--name", f"chaos-doomed-{n}", redis_url=self.url, config=self.config,
+                            env=env, log=log)  # fmt: skip
+        self.doomed.append(Doomed(proc, log))
+        self.out(f"  started a worker that dies between its first call and its report (pid {proc.pid})")
+
+    def crashed_jobs(self) -> list[tuple[str, str, float]]:
+        """(workflow, step, when) of every job a doomed worker started before it died after a call."""
+        jobs = []
+        for doomed in self.doomed:
+            if doomed.died is None or not doomed.log.exists():
+                continue
+            for match in re.finditer(r"saga: compensate ([^/\s]+)/(\S+): ", doomed.log.read_text(errors="replace")):
+                jobs.append((match.group(1), match.group(2), doomed.died))
+        return jobs
+
     def check(self) -> None:
         """A coordinator or worker that exited without being killed is a finding; restart it anyway."""
+        for doomed in self.doomed:
+            if doomed.proc.poll() is None:
+                doomed.children = descendants(doomed.proc.pid)  # its scheduler, to stop once it is orphaned
+            elif doomed.died is None and doomed.proc.returncode == -signal.SIGKILL:
+                doomed.died = time.time()
+                _kill_all(doomed.children)
+                self.crashes += 1
         for kind, procs in self.procs.items():
             for i, proc in enumerate(procs):
                 if proc.poll() is not None:
@@ -559,6 +609,10 @@ class Cluster:
                     procs[i] = self._spawn(kind)
 
     def stop(self) -> None:
+        for doomed in self.doomed:
+            children = doomed.children + descendants(doomed.proc.pid)
+            _terminate(doomed.proc)
+            _kill_all(children)
         for procs in self.procs.values():
             for proc in procs:
                 children = descendants(proc.pid)
@@ -722,6 +776,7 @@ def verify(
     worker_log: list[dict[str, Any]],
     dead: list[dict[str, str]],
     report: Report,
+    crashed: list[tuple[str, str, float]] = (),  # type: ignore[assignment]
 ) -> None:
     """Every guarantee, checked against the servers' ledgers and the publishers' records."""
     late = {(d["workflow"], d["step"]): d["reason"] for d in dead if d["type"] == "step-completed"}
@@ -868,6 +923,15 @@ def verify(
                 report.transport_errors += 1
     report.repeat_calls = sum(n - 1 for n in calls.values() if n > 1)
 
+    # A worker that died between its call and its report: the call took effect (the ledger says so,
+    # before the death), the compensation was dispatched again, and the key kept it to one effect.
+    for workflow, step, died in crashed:
+        comp = snapshots[workflow].comps.get(step) if workflow in snapshots else None
+        effects = by_key.get(comp["idempotencyKey"], []) if comp else []
+        if comp and comp["status"] == "succeeded" and len(effects) == 1 and effects[0]["at"] <= died:
+            report.repeat_calls += 1
+            report.crash_repeats += 1
+
 
 # The run ----------------------------------------------------------------------------------------
 
@@ -880,6 +944,8 @@ def schedule(settings: Settings, rng: random.Random) -> list[tuple[float, str]]:
         plan.append((0.3 + 0.4 * i / max(1, settings.server_restarts), f"server:{SERVERS[(i + 1) % 3]}"))
     for i in range(settings.redis_restarts):
         plan.append((0.5 + 0.3 * i / max(1, settings.redis_restarts), "redis"))
+    for i in range(settings.crashes_after_call):
+        plan.append((0.2 + 0.5 * i / max(1, settings.crashes_after_call), "crash-after-call"))
     return sorted(plan)
 
 
@@ -935,6 +1001,8 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
                     cluster.restart_redis()
                 elif fault.startswith("server:"):
                     cluster.restart_server(fault.removeprefix("server:"))
+                elif fault == "crash-after-call":
+                    cluster.spawn_doomed()
                 else:
                     cluster.kill(fault)
                 if not publishing:
@@ -963,7 +1031,8 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
         dead = dead_letters(r, keys)
         for entry in dead:
             report.dead_letters[entry["reason"][:120]] = report.dead_letters.get(entry["reason"][:120], 0) + 1
-        verify(tracker.records, tracker.snapshots, ledgers, worker_log_events(workdir), dead, report)
+        crashed = cluster.crashed_jobs()
+        verify(tracker.records, tracker.snapshots, ledgers, worker_log_events(workdir), dead, report, crashed)
         report.workflows = len(tracker.records)
         if report.workflows != settings.workflows:
             report.violations.append(f"{settings.workflows - report.workflows} workflows have no publisher record")
@@ -997,6 +1066,7 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
         report.coordinator_kills = cluster.kills["coordinator"]
         report.worker_kills = cluster.kills["worker"]
         report.worker_kills_mid_job = cluster.busy_kills
+        report.crashes_after_call = cluster.crashes
         report.server_restarts = cluster.restarts["server"]
         report.redis_restarts = cluster.restarts["redis"]
         report.unexpected_exits = len(cluster.unexpected)

@@ -57,6 +57,7 @@ def test_reduced_chaos_run_keeps_every_guarantee(tmp_path) -> None:
     assert report.coordinator_kills >= 2 and report.worker_kills >= 2, text
     assert report.server_restarts >= 1 and report.redis_restarts == 1, text
     assert report.unexpected_exits == 0, text
+    assert report.crashes_after_call >= 1, text  # a worker died between a call and its report
     assert report.injected_errors > 0, text
     assert report.double_effects == 0 and report.lost_events == 0, text
     assert set(report.statuses) <= {"completed", "compensated", "needs-attention"}, text
