@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 import threading
 
@@ -27,7 +28,7 @@ from schemas.events import CompensationSucceeded, Event, StepCompleted, Workflow
 from schemas.records import WorkflowState
 
 sys.path.insert(0, str(REPO))  # `bench` is not an installed package
-from bench.chaos import Settings, print_report, run_chaos
+from bench.chaos import Report, Settings, print_report, run_chaos
 
 K = Keys()
 SEED = int(os.environ.get("SAGA_CHAOS_SEED", "20261129"))
@@ -64,6 +65,15 @@ def test_reduced_chaos_run_keeps_every_guarantee(tmp_path) -> None:
     assert all(reason.strip() for reason in report.attention.values()), text
     assert report.workflow_keys_after == 0, text
     assert report.memory_after <= report.memory_before + report.rq_bytes_after + settings.memory_slack, text
+
+
+def test_readme_shows_a_full_run_with_no_double_effect_and_no_lost_event() -> None:
+    section = (REPO / "README.md").read_text().split("## Guarantees", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| ([a-z][^|]*?) \| (.*?) \|$", section, re.M))
+    assert set(rows) == {name for name, _ in Report().rows()}, "paste the table `python -m bench.chaos` prints"
+    assert rows["double effects"] == "0" and rows["out of LIFO order"] == "0"
+    assert rows["lost events"].split()[0] == "0"
+    assert rows["kills survived"].startswith("5 coordinator, 5 worker")
 
 
 RECOVERY = {"strategy": "compensation", "compensatingOperation": {"operationId": "undo", "parameters": {}}}
