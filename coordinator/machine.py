@@ -172,7 +172,8 @@ class Machine:
             return  # a redelivery, or the orchestrator published twice
         state = view.state
         if state.status == "completed":
-            raise Rejected(f"step {data.step!r} arrived after the workflow completed")
+            self._step_after_completion(view, event, data, now)
+            return
         late = state.status in UNWINDING
         comp, entries = self.plan_step(view.workflow, data, state.steps, late, now, event.id)
         view.put(comp, now)
@@ -183,6 +184,16 @@ class Machine:
             state.status = "compensating"
         if state.status == "failed" and state.steps >= state.expected_steps:
             self._unwind(view, now)
+
+    def _step_after_completion(self, view: WorkflowView, event: Event, data: StepCompleted, now: float) -> None:
+        """A step published before workflow-completed but handled after it (a coordinator died holding
+        it): it belongs in the workflow's history, and a completed workflow has nothing to undo."""
+        comp, _ = self.plan_step(view.workflow, data, view.state.steps, True, now, event.id)
+        comp.status, comp.reason = "skipped", "recorded after the workflow completed: nothing to undo"
+        view.put(comp, now)
+        view.new_steps.append(event.raw)
+        view.state.steps += 1
+        view.note("late-step", now, data.step, tool=data.tool, plan=comp.status, reason=comp.reason)
 
     def plan_step(
         self, workflow: str, data: StepCompleted, seq: int, late: bool, now: float, event_id: str = ""

@@ -370,9 +370,7 @@ def semantic(draw: st.DrawFn, wf: str) -> Scenario:
             data = enc({"step": a, "by": "fuzz"} if draw(st.booleans()) else {})
             return Scenario(None, [dead(fields(op, wf, data), "unknown workflow")])
         case "completed-then-step":
-            return Scenario(
-                wf, [step(sa, a), ok(done), dead(sb, "after the workflow completed"), step(sa, a, False)], {"completed"}
-            )
+            return Scenario(wf, [step(sa, a), ok(done), step(sb, b), step(sa, a, False)], {"completed"})
         case "completed-then-failed":
             return Scenario(wf, [ok(done), dead(failed, "after the workflow completed")], {"completed"})
         case "failed-then-completed":

@@ -226,9 +226,8 @@ def test_nonsense_is_rejected(machine: Machine) -> None:
     with pytest.raises(Rejected, match="unknown workflow"):
         fold(machine, new_view(), CompensationSucceeded(step="a"))
     view = fold(machine, new_view(), step("a"), WorkflowCompleted())
-    assert view.state.status == "completed"
     with pytest.raises(Rejected, match="after the workflow completed"):
-        fold(machine, view, step("b"))
+        fold(machine, view, WorkflowFailed())
     with pytest.raises(Rejected, match="no compensation record"):
         fold(machine, fold(machine, new_view("w2"), step("a"), WorkflowFailed()), CompensationSucceeded(step="zz"))
 
@@ -264,3 +263,13 @@ def test_a_late_step_waits_for_the_compensation_in_flight(machine: Machine) -> N
     fold(machine, view, CompensationSucceeded(step="b", dispatch=first.dispatch))
     assert [j.step for j in view.jobs] == ["late"]  # the latest completion goes first
     assert settle(machine, view) == ["late", "a"]
+
+
+def test_a_step_handled_after_completion_is_recorded_not_undone(machine: Machine) -> None:
+    """Published before workflow-completed, handled after it (a coordinator died holding it)."""
+    view = fold(machine, new_view(), step("a"), WorkflowCompleted(), step("b"))
+    assert view.state.status == "completed" and view.state.steps == 2
+    assert view.comps["b"].status == "skipped" and "completed" in (view.comps["b"].reason or "")
+    assert view.jobs == [] and len(view.new_steps) == 2
+    assert view.log[-1]["type"] == "late-step"
+    assert not any(o["type"].startswith("workflow-") and o["type"] != "workflow-completed" for o in view.outcomes)
