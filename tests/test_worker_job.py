@@ -283,8 +283,9 @@ def test_server_down_then_up(r: redis.Redis, redis_url: str, tmp_path: Path, db:
         assert last.attempt >= 2 and last.final
         assert len(refunds(db)) == 1
     finally:
-        assert stop(worker) == 0  # SIGTERM: warm shutdown, exit 0
         stop(server)
+        code = stop(worker)
+    assert code == 0  # SIGTERM: warm shutdown, exit 0
     assert Worker.all(connection=r) == []  # deregistered on the way out
 
 
