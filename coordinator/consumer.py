@@ -33,6 +33,8 @@ from .store import Store
 log = get_logger("coordinator")
 
 Entry = tuple[bytes, dict[bytes, bytes]]
+DeadEntry = tuple[bytes, dict[bytes, bytes], str]  # id, original fields, reason
+Groups = dict[str, list[tuple[Event, dict[bytes, bytes]]]]
 MAX_CONFLICT_RETRIES = 20
 # Longest pause between attempts while Redis is unreachable (restart, failover, network).
 MAX_OUTAGE_BACKOFF = 2.0
@@ -144,56 +146,20 @@ class Coordinator:
         if not entries:
             return result
         now = time.time()
-        dead: list[tuple[bytes, dict[bytes, bytes], str]] = []
-        groups: dict[str, list[tuple[Event, dict[bytes, bytes]]]] = defaultdict(list)
-        for entry_id, fields in entries:
-            try:
-                event = decode_entry(entry_id.decode(), fields)
-            except InvalidEvent as exc:
-                dead.append((entry_id, fields, str(exc)))
-                continue
-            groups[event.workflow].append((event, fields))
-
+        groups, dead = self._decode(entries)
         created = self._record_fresh_steps(groups, now)
-        committed: list[WorkflowView] = []
-        pending = dict(groups)
-        for _ in range(MAX_CONFLICT_RETRIES):
-            if not pending:
-                break
-            views = self._load(pending)
-            rejected: dict[str, list[tuple[bytes, dict[bytes, bytes], str]]] = defaultdict(list)
-            for workflow, items in pending.items():
-                view = views[workflow]
-                for event, fields in items:
-                    try:
-                        self.machine.apply(view, event, now)
-                    except Rejected as exc:
-                        rejected[workflow].append((event.id.encode(), fields, str(exc)))
-            dirty = [v for v in views.values() if v.dirty]
-            outcomes = self.store.commit(dirty) if dirty else []
-            retry = {v.workflow for v, ok in zip(dirty, outcomes, strict=True) if not ok}
-            result.conflicts += len(retry)
-            for workflow, view in views.items():
-                if workflow in retry:
-                    continue
-                dead.extend(rejected.get(workflow, ()))
-                if view.state.version:  # else every event was rejected and the workflow does not exist
-                    committed.append(view)
-            pending = {w: pending[w] for w in retry}
-        if pending:  # pathological contention: leave these unacknowledged, they come back
-            log.error("gave up on contended workflows this batch", workflows=sorted(pending))
-
+        committed, contended, conflicts = self._fold(groups, now, dead)
         if os.environ.get("SAGA_TEST_CRASH_AFTER_COMMIT"):  # fault injection for the crash tests
             os._exit(70)
         result.jobs = self._dispatch(committed, ensure=redelivered)
-        unacked = {e.id for items in pending.values() for e, _ in items}
+        unacked = {e.id for items in contended.values() for e, _ in items}
         ack = [i for i, _ in entries if i.decode() not in unacked]
         self.store.follow_up(
             committed,
             {v.workflow: self.machine.next_deadline(v) for v in committed if v.full},
             [self._index_created(created), self._dead_letters(dead), self._ack(ack)],
         )
-        result.dead = len(dead)
+        result.conflicts, result.dead = conflicts, len(dead)
         for view in committed:
             result.statuses[view.workflow] = view.state.status
             if view.state.status != view.loaded_status and view.loaded_status is not None:
@@ -204,7 +170,55 @@ class Coordinator:
             log.warning("dead-lettered an event", id=entry_id.decode(), reason=reason)
         return result
 
-    def _record_fresh_steps(self, groups: dict[str, list[tuple[Event, dict[bytes, bytes]]]], now: float) -> list[str]:
+    def _decode(self, entries: list[Entry]) -> tuple[Groups, list[DeadEntry]]:
+        """Typed events grouped by workflow, in stream order; what breaks the contract aside."""
+        groups: Groups = defaultdict(list)
+        dead: list[DeadEntry] = []
+        for entry_id, fields in entries:
+            try:
+                event = decode_entry(entry_id.decode(), fields)
+            except InvalidEvent as exc:
+                dead.append((entry_id, fields, str(exc)))
+                continue
+            groups[event.workflow].append((event, fields))
+        return groups, dead
+
+    def _fold(self, groups: Groups, now: float, dead: list[DeadEntry]) -> tuple[list[WorkflowView], Groups, int]:
+        """Load, fold and commit each workflow, again for those another coordinator changed meanwhile.
+
+        Returns the committed views, the groups still contended after the retries (left unacknowledged:
+        they come back) and the number of conflicts met. Rejected events are added to `dead`.
+        """
+        committed: list[WorkflowView] = []
+        pending, conflicts = dict(groups), 0
+        for _ in range(MAX_CONFLICT_RETRIES):
+            if not pending:
+                break
+            views = self._load(pending)
+            rejected: dict[str, list[DeadEntry]] = defaultdict(list)
+            for workflow, items in pending.items():
+                for event, fields in items:
+                    try:
+                        self.machine.apply(views[workflow], event, now)
+                    except Rejected as exc:
+                        rejected[workflow].append((event.id.encode(), fields, str(exc)))
+            dirty = [v for v in views.values() if v.dirty]
+            lost = {
+                v.workflow for v, ok in zip(dirty, self.store.commit(dirty) if dirty else [], strict=True) if not ok
+            }
+            conflicts += len(lost)
+            for workflow, view in views.items():
+                if workflow in lost:
+                    continue
+                dead.extend(rejected.get(workflow, ()))
+                if view.state.version:  # else every event was rejected and the workflow does not exist
+                    committed.append(view)
+            pending = {w: pending[w] for w in lost}
+        if pending:
+            log.error("gave up on contended workflows this batch", workflows=sorted(pending))
+        return committed, pending, conflicts
+
+    def _record_fresh_steps(self, groups: Groups, now: float) -> list[str]:
         """The common case without a read: steps of running workflows, recorded by one script each.
 
         Removes what it recorded from `groups`; a workflow that turns out not to be running stays
@@ -213,21 +227,17 @@ class Coordinator:
         batches = {}
         for workflow, items in groups.items():
             if all(isinstance(e.data, StepCompleted) for e, _ in items):
-                batches[workflow] = [
-                    (*self.machine.plan_step(workflow, e.data, 0, False, now, e.id), e.raw)  # type: ignore[arg-type]
-                    for e, _ in items
-                ]
-        if not batches:
-            return []
+                steps = []
+                for event, _ in items:
+                    comp, entries = self.machine.plan_step(workflow, event.data, 0, False, now, event.id)  # type: ignore[arg-type]
+                    steps.append((comp, event.raw, entries))
+                batches[workflow] = steps
         created = []
-        for workflow, outcome in self.store.record_steps(
-            {w: [(comp, raw, entries) for comp, entries, raw in steps] for w, steps in batches.items()}, now
-        ).items():
-            if outcome is None:
-                continue
-            del groups[workflow]
-            if outcome[0]:
-                created.append(workflow)
+        for workflow, outcome in (self.store.record_steps(batches, now) if batches else {}).items():
+            if outcome is not None:
+                del groups[workflow]
+                if outcome[0]:
+                    created.append(workflow)
         return created
 
     def _index_created(self, workflows: list[str]) -> Callable:
@@ -237,7 +247,7 @@ class Coordinator:
 
         return add
 
-    def _load(self, groups: dict[str, list[tuple[Event, dict[bytes, bytes]]]]) -> dict[str, WorkflowView]:
+    def _load(self, groups: Groups) -> dict[str, WorkflowView]:
         wanted = {}
         for workflow, items in groups.items():
             events = [e for e, _ in items]
@@ -271,7 +281,7 @@ class Coordinator:
                 )
         return queued
 
-    def _dead_letters(self, dead: list[tuple[bytes, dict[bytes, bytes], str]]) -> Callable:
+    def _dead_letters(self, dead: list[DeadEntry]) -> Callable:
         def add(pipe) -> None:  # type: ignore[no-untyped-def]
             for entry_id, fields, reason in dead:
                 # Original fields kept under their own names; ours prefixed so they never collide.
