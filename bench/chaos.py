@@ -665,6 +665,7 @@ class Tracker:
 
     def poll(self) -> None:
         self.read()
+        self.follow_changes()
         waiting = self.waiting()
         if not waiting:
             return
@@ -701,11 +702,39 @@ class Tracker:
             )
         return taken
 
+    def follow_changes(self) -> None:
+        """Snapshot again the settled workflows that changed since (a step claimed from a killed
+        coordinator can land on a completed workflow), before their retention runs out."""
+        names = list(self.snapshots)
+        try:
+            with self.r.pipeline(transaction=False) as pipe:
+                for workflow in names:
+                    pipe.hget(self.keys.state(workflow), "version")
+                versions = pipe.execute()
+            moved = [
+                w
+                for w, v in zip(names, versions, strict=True)
+                if v is not None and v.decode() != self.snapshots[w].state.get("version")
+            ]
+            if moved:
+                self.snapshots.update(self.snapshot(moved))
+        except redis.ConnectionError:
+            return  # Redis is restarting: look again on the next round
+
     def refresh(self) -> None:
         """Take the latest view of every snapshotted workflow still in Redis (a late event may have moved it)."""
         alive = [w for w in self.snapshots if self.r.exists(self.keys.state(w))]
         for i in range(0, len(alive), 200):
             self.snapshots.update(self.snapshot(alive[i : i + 200]))
+
+
+def events_outstanding(r: redis.Redis, keys: Keys) -> int:
+    """Entries of `saga:events` the coordinators have not acknowledged, or not read yet."""
+    try:
+        groups = r.xinfo_groups(keys.events)
+    except redis.ResponseError:
+        return 0
+    return sum((g.get("pending") or 0) + (g.get("lag") or 0) for g in groups)
 
 
 def footprint(r: redis.Redis, keys: Keys, ignore: frozenset[str] = frozenset()) -> dict[str, int]:
@@ -1013,7 +1042,9 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
 
         deadline = published_at + settings.settle_timeout
         tracker.poll()
-        while tracker.waiting() and time.monotonic() < deadline:
+        # Settled statuses are not enough: a step held by a killed coordinator is claimed later and
+        # may still change a completed workflow's history. Quiet means nothing pending or unread too.
+        while (tracker.waiting() or events_outstanding(r, keys)) and time.monotonic() < deadline:
             time.sleep(0.3)
             cluster.check()
             tracker.poll()
