@@ -1,0 +1,31 @@
+"""The Redis resolver that `saga demo` and the tests share."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+import saga.redis_server as rs
+
+
+def test_a_configured_url_is_used_as_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_URL", "redis://example.invalid:6379/3")
+    with rs.resolve_redis() as url:
+        assert url == "redis://example.invalid:6379/3"
+
+
+def test_without_redis_the_message_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.setattr(rs, "find_redis_server", lambda: None)
+    with pytest.raises(rs.NoRedisError, match="apt-get install redis-server"), rs.resolve_redis():
+        pass
+
+
+def test_a_private_server_is_started_and_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    with rs.resolve_redis() as url:
+        client = redis.Redis.from_url(url)
+        assert client.ping()
+        client.close()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
