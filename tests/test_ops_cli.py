@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from mcp_servers import REPO
+from processes import REPO
 
 from coordinator.consumer import Coordinator
 from saga.cli import main
