@@ -83,9 +83,9 @@ def check_live(
         declaration = tools.get(tool)
         if declaration is None:
             return _refuse(f"{server} no longer lists {tool!r}, so its declared compensation cannot be confirmed")
-        if declaration.problem and declaration.parsed_recovery() is None:
-            return _refuse(f"{server}:{tool}: {declaration.problem}")
         recovery, where = declaration.parsed_recovery(), f"{server}:{tool}'s live recovery declaration"
+        if declaration.problem and recovery is None:
+            return _refuse(f"{server}:{tool}: {declaration.problem}")
     return _names(recovery, operation, where) or _binds(recovery, job, record, step, where)
 
 
