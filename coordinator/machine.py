@@ -22,11 +22,7 @@ from schemas.events import (
     CompensationRefused,
     CompensationSucceeded,
     Event,
-    OperatorApprove,
     OperatorCommand,
-    OperatorResolve,
-    OperatorRetry,
-    OperatorSkip,
     Report,
     StepCompleted,
     WorkflowCompleted,
@@ -44,6 +40,37 @@ def timeline_entry(kind: str, now: float, step: str | None = None, **detail: obj
         entry["step"] = step
     entry.update({k: str(v) for k, v in detail.items() if v is not None and v != ""})
     return entry
+
+
+RETRYABLE = ("failed", "awaiting-approval", "unrecoverable")
+# Record statuses in which resolve / skip would change nothing.
+FINAL_FOR = {"resolve": ("succeeded", "resolved"), "skip": ("succeeded", "resolved", "skipped")}
+
+
+def operator_refusal(command: str, comp: Compensation) -> str | None:
+    """Why an operator command (retry, resolve, skip, approve) would change nothing for this record.
+
+    One rule set for the coordinator, which applies the command, and `saga`, which refuses to send
+    a command that would be ignored and says why.
+    """
+    step, status = comp.step, comp.status
+    if command == "retry":
+        if status not in RETRYABLE:
+            return f"step {step!r} is {status}; retry applies to a failed, awaiting-approval or unrecoverable step"
+        if comp.operation_id is None or comp.arguments is None:
+            why = f" ({comp.reason})" if comp.reason else ""
+            return f"step {step!r} has no usable compensation to retry{why}; resolve or skip it instead"
+    elif status in FINAL_FOR.get(command, ()):
+        return f"step {step!r} is already {status}"
+    elif command == "approve":
+        if comp.approved:
+            return f"step {step!r} is already approved"
+        if comp.operation_id is None:
+            why = f" ({comp.reason})" if comp.reason else ""
+            return f"step {step!r} has no compensating operation to approve{why}"
+        if status in ("succeeded", "skipped", "resolved"):
+            return f"step {step!r} is {status}; there is nothing left to approve"
+    return None
 
 
 class Rejected(Exception):
@@ -326,29 +353,25 @@ class Machine:
         if data.step is not None and data.step not in view.comps:
             raise Rejected(f"{kind}: workflow has no step {data.step!r}")
         targets = [view.comps[data.step]] if data.step else list(view.comps.values())
+        command = kind.removeprefix("operator-")
         touched = []
         for comp in targets:
-            if isinstance(data, OperatorRetry) and comp.status in ("failed", "awaiting-approval", "unrecoverable"):
-                if comp.operation_id is None or comp.arguments is None:
-                    if data.step:
-                        raise Rejected(f"{kind}: step {comp.step!r} has no usable compensation to retry")
-                    continue
+            if operator_refusal(command, comp) is not None:
+                continue
+            if command == "retry":
                 comp.status, comp.reason, comp.last_error = "pending", None, None
-            elif isinstance(data, OperatorResolve) and comp.status not in ("succeeded", "resolved"):
-                comp.status = "resolved"
-            elif isinstance(data, OperatorSkip) and comp.status not in ("succeeded", "resolved", "skipped"):
-                comp.status = "skipped"
-            elif isinstance(data, OperatorApprove) and not comp.approved and comp.operation_id:
+            elif command in ("resolve", "skip"):
+                comp.status = "resolved" if command == "resolve" else "skipped"
+            else:
                 comp.approved = True
                 if comp.status == "awaiting-approval":
                     comp.status = "pending"
-            else:
-                continue
             comp.reason = data.note or comp.reason
             view.put(comp, now)
             touched.append(comp.step)
-        if data.step and not touched:  # already as the operator asked (a repeat): say so, change nothing
-            view.note(f"{kind}-ignored", now, data.step, by=data.by, detail=f"step is {view.comps[data.step].status}")
+        if data.step and not touched:  # a repeat, or a command that does not apply: say why, change nothing
+            why = operator_refusal(command, view.comps[data.step])
+            view.note(f"{kind}-ignored", now, data.step, by=data.by, detail=why)
             return
         view.note(kind, now, data.step, by=data.by, note=data.note, steps=",".join(touched))
         if touched and state.status in ("compensated", "needs-attention"):

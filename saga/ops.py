@@ -26,6 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from coordinator.machine import RETRYABLE, operator_refusal
 from saga import render
 from saga.cli import CliError, config_of, redis_url
 from saga.config import Config
@@ -48,9 +49,6 @@ OPERATOR: dict[str, type[OperatorCommand]] = {
     "skip": OperatorSkip,
     "approve": OperatorApprove,
 }
-RETRYABLE = ("failed", "awaiting-approval", "unrecoverable")
-# Record statuses in which resolve / skip would change nothing (the coordinator ignores them).
-FINAL_FOR = {"resolve": ("succeeded", "resolved"), "skip": ("succeeded", "resolved", "skipped")}
 # Keep in step with the caps of `OperatorCommand`, so an over-long value is refused here, not dead-lettered.
 MAX_BY, MAX_NOTE = 200, 8192
 
@@ -311,28 +309,6 @@ def cmd_watch(ops: Ops) -> int:
 # Acting on a workflow -----------------------------------------------------------------------
 
 
-def refusal(command: str, comp: Compensation) -> str | None:
-    """Why `command` would change nothing for this record (the coordinator would drop it silently)."""
-    step, status = comp.step, comp.status
-    if command == "retry":
-        if status not in RETRYABLE:
-            return f"step {step!r} is {status}; retry applies to a failed, awaiting-approval or unrecoverable step"
-        if comp.operation_id is None or comp.arguments is None:
-            why = f" ({comp.reason})" if comp.reason else ""
-            return f"step {step!r} has no usable compensation to retry{why}; resolve or skip it instead"
-    elif status in FINAL_FOR.get(command, ()):
-        return f"step {step!r} is already {status}"
-    elif command == "approve":
-        if comp.approved:
-            return f"step {step!r} is already approved"
-        if comp.operation_id is None:
-            why = f" ({comp.reason})" if comp.reason else ""
-            return f"step {step!r} has no compensating operation to approve{why}"
-        if status in ("succeeded", "skipped", "resolved"):
-            return f"step {step!r} is {status}; there is nothing left to approve"
-    return None
-
-
 def _operator(command: str) -> Callable[[Ops], int]:
     def run(ops: Ops) -> int:
         args, keys = ops.args, ops.keys
@@ -355,11 +331,11 @@ def _operator(command: str) -> Callable[[Ops], int]:
             if step not in comps:
                 known = ", ".join(comps) or "none recorded"
                 raise CliError(f"workflow {workflow!r} has no step {step!r} (steps: {known})")
-            if (why := refusal(command, comps[step])) is not None:
+            if (why := operator_refusal(command, comps[step])) is not None:
                 raise CliError(why)
             targets = [step]
         else:  # only retry may omit --step: it then retries every retryable step
-            targets = [s for s, c in comps.items() if refusal(command, c) is None]
+            targets = [s for s, c in comps.items() if operator_refusal(command, c) is None]
             if not targets:
                 raise CliError(
                     f"nothing to retry in {workflow!r}: no step is {', '.join(RETRYABLE)} with a usable compensation"
