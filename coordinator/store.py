@@ -117,7 +117,11 @@ class Store:
         }
 
     def follow_up(self, views: list[WorkflowView], deadlines: dict[str, float | None], extra: list) -> None:
-        """Index, outcomes and watchdog deadlines for committed views, plus the caller's acks."""
+        """Index, outcomes and watchdog deadlines for committed views, plus the caller's acks.
+
+        `deadlines` names only the workflows whose watchdog deadline is known (full views):
+        None removes it, a time sets it, absent leaves it alone.
+        """
         pipe = self.redis.pipeline(transaction=False)
         now = max((v.state.updated_at for v in views), default=0.0)
         for view in views:
@@ -128,7 +132,9 @@ class Store:
                 pipe.zadd(self.keys.index(status), {view.workflow: view.state.updated_at or now})
             for outcome in view.outcomes:
                 pipe.xadd(self.keys.outcomes, outcome, maxlen=self.settings.outcomes_maxlen, approximate=True)
-            deadline = deadlines.get(view.workflow)
+            if view.workflow not in deadlines:  # a running workflow's partial view: nothing to watch
+                continue
+            deadline = deadlines[view.workflow]
             if deadline is None:
                 pipe.zrem(self.keys.deadlines, view.workflow)
             else:

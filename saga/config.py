@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from schemas.recovery import Recovery, RecoveryError, parse_recovery
+from schemas.recovery import Recovery
 
 
 class ConfigError(ValueError):
@@ -35,8 +35,9 @@ class ServerConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
     timeout: float = Field(default=30.0, gt=0)
-    # Operator-declared recovery for tools whose server does not declare SEP-3172 (tool -> recovery).
-    recovery: dict[str, Any] = Field(default_factory=dict)
+    # Operator-declared recovery for tools whose server does not declare SEP-3172 (tool -> recovery),
+    # validated once here so a bad overlay stops start-up with its full path.
+    recovery: dict[str, Recovery] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_transport(self) -> ServerConfig:
@@ -122,22 +123,15 @@ class Config(_Strict):
     @field_validator("servers")
     @classmethod
     def _server_names(cls, servers: dict[str, ServerConfig]) -> dict[str, ServerConfig]:
-        for name, server in servers.items():
+        for name in servers:
             if not name.replace("-", "").replace("_", "").isalnum():
                 raise ValueError(f"server name {name!r} may hold only letters, digits, '-' and '_'")
-            for tool, declaration in server.recovery.items():
-                try:
-                    parse_recovery(declaration, where=f"servers.{name}.recovery.{tool}")
-                except RecoveryError as exc:
-                    raise ValueError(str(exc)) from None
         return servers
 
     def overlay(self, server: str, tool: str) -> Recovery | None:
         """The operator's recovery declaration for a tool, if any."""
         entry = self.servers.get(server)
-        if entry is None or tool not in entry.recovery:
-            return None
-        return parse_recovery(entry.recovery[tool])
+        return entry.recovery.get(tool) if entry is not None else None
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
@@ -165,6 +159,5 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> Config:
             message = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 message = "unknown field"
-            # Overlay errors already carry their full path (servers.git.recovery.git_add....).
-            lines.append(f"{source}: {message}" if message.startswith(f"{where}.") else f"{source}: {where}: {message}")
+            lines.append(f"{source}: {where}: {message}")
         raise ConfigError("\n".join(lines)) from None

@@ -588,7 +588,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         problems = check_declaration(tool, d.recovery, schemas)
         if d.problem and d.parsed_recovery() is not None:  # an invalid one is already an error above
             problems.append(Problem(tool, "recovery", d.problem, "warning"))
-        if tool in server.recovery and wire(server.recovery[tool]) != wire(d.recovery):
+        if tool in server.recovery and server.recovery[tool].to_wire() != wire(d.recovery):
             problems.append(Problem(tool, "recovery", "the config's overlay overrides this declaration", "warning"))
         checked.append(
             {"tool": tool, "source": f"server ({d.recovery_source})", "recovery": d.recovery, "problems": problems}
@@ -598,7 +598,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             {
                 "tool": tool,
                 "source": "overlay",
-                "recovery": recovery,
+                "recovery": recovery.to_wire(),
                 "problems": check_declaration(tool, recovery, schemas),
             }
         )
