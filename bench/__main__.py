@@ -15,11 +15,11 @@ import platform
 import time
 from pathlib import Path
 
+from mcp_saga.cli.redis_server import resolve_redis
 from rich.console import Console
 
 from bench import coordinator, latency, publisher, worker
 from bench.table import Row, print_table
-from saga.redis_server import resolve_redis
 
 
 def machine() -> str:

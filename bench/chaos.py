@@ -37,12 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from mcp_saga.cli.procs import REPO, free_port, saga_process, wait_until_accepting
+from mcp_saga.cli.redis_server import NoRedisError, RedisServer, find_redis_server
+from mcp_saga.examples.ledger import TRANSIENT_PREFIX, read_state
+from mcp_saga.schemas.keys import DEAD_REASON, STATUSES, Keys
+from mcp_saga.workers.job import CRASH_AFTER_CALL_ENV
 
-from examples.ledger import TRANSIENT_PREFIX, read_state
-from saga.keys import DEAD_REASON, STATUSES, Keys
-from saga.procs import REPO, free_port, saga_process, wait_until_accepting
-from saga.redis_server import NoRedisError, RedisServer, find_redis_server
-from workers.job import CRASH_AFTER_CALL_ENV
+import mcp_saga
 
 SERVERS = ("inventory", "payments", "shipping")
 # tool -> (server, field of the result naming the holding it created, status it creates)
@@ -296,8 +297,7 @@ async def run_workflow(workflow: str, plan: Plan, links: dict[str, Link], r: Any
     `wf.flush()` after each call makes the record exact: the SDK writes a step's event in the
     background, and only a confirmed write counts as published here.
     """
-    import saga
-    from orchestrator.wrapper import StepNotRecorded, ToolCallFailed
+    from mcp_saga.orchestrator.wrapper import StepNotRecorded, ToolCallFailed
 
     record: dict[str, Any] = {
         "workflow": workflow, "planned": len(plan.steps), "mode": plan.mode, "steps": [], "unpublished": [],
@@ -310,7 +310,7 @@ async def run_workflow(workflow: str, plan: Plan, links: dict[str, Link], r: Any
         return record
     body_done = False
     try:
-        async with saga.workflow(workflow, redis=r, servers=clients, settle_timeout=10) as wf:
+        async with mcp_saga.workflow(workflow, redis=r, servers=clients, settle_timeout=10) as wf:
             for i, (server, tool, arguments) in enumerate(plan.steps):
                 if plan.mode == "raise" and plan.fail_at == i:
                     raise AgentGaveUp(f"agent gave up before step {i}")
@@ -397,8 +397,8 @@ class ExampleServer:
         return f"http://127.0.0.1:{self.port}/mcp"
 
     def start(self) -> None:
-        command = [sys.executable, "-m", f"examples.{self.name}", "--http", str(self.port), "--host", "127.0.0.1",
-                   "--db", str(self.db), "--fail-rate", str(self.fail_rate)]  # fmt: skip
+        command = [sys.executable, "-m", f"mcp_saga.examples.{self.name}", "--http", str(self.port),
+                   "--host", "127.0.0.1", "--db", str(self.db), "--fail-rate", str(self.fail_rate)]  # fmt: skip
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(command, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         wait_until_accepting("127.0.0.1", self.port, self.proc, timeout=30)

@@ -36,15 +36,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from mcp_saga.cli.redis_server import resolve_redis
+from mcp_saga.coordinator import consumer
+from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.schemas.config import Config, parse_config
+from mcp_saga.schemas.events import StepCompleted, WorkflowCompleted, WorkflowFailed, entry_fields
+from mcp_saga.schemas.keys import STATUSES, Keys
 from redis import Redis
 
 from bench.table import Row, print_table
-from coordinator import consumer
-from coordinator.consumer import Coordinator
-from saga.config import Config, parse_config
-from saga.keys import STATUSES, Keys
-from saga.redis_server import resolve_redis
-from schemas.events import StepCompleted, WorkflowCompleted, WorkflowFailed, entry_fields
 
 PREFIX = "saga-bench"
 K = Keys(PREFIX)

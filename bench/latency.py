@@ -20,15 +20,15 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from mcp import Client
+from mcp_saga.cli.procs import saga_process, start_http_server, stop
+from mcp_saga.cli.redis_server import resolve_redis
+from mcp_saga.examples import TRIVIAL
+from mcp_saga.runtime.recovery_wire import compensation
+from mcp_saga.schemas.events import StepCompleted, WorkflowFailed, entry_fields
+from mcp_saga.schemas.keys import Keys
 from redis import Redis
 
 from bench.table import Row, print_table
-from examples import TRIVIAL
-from saga.keys import Keys
-from saga.procs import saga_process, start_http_server, stop
-from saga.recovery_wire import compensation
-from saga.redis_server import resolve_redis
-from schemas.events import StepCompleted, WorkflowFailed, entry_fields
 
 RECOVERY = compensation("noop_undo", n="$response.body#/n")
 KEYS = Keys()

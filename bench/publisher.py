@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import mcp_saga
 from bench.table import Row
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,8 +29,7 @@ DELAY = 0.002
 
 def serve(http: int | None) -> None:
     from mcp.server.mcpserver import MCPServer
-
-    from saga.recovery_wire import compensation, recoverable_tool
+    from mcp_saga.runtime.recovery_wire import compensation, recoverable_tool
 
     app = MCPServer("bench", log_level="WARNING")
 
@@ -51,8 +51,6 @@ PREFIX = "bench"  # its own stream, deleted afterwards: never touch a real saga:
 async def measure(client: object, redis_url: str, calls: int, steps: int, rounds: int) -> dict[str, list[float]]:
     import redis.asyncio as aioredis
 
-    import saga
-
     async def bare(_: int) -> float:
         start = time.perf_counter()
         for n in range(calls):
@@ -62,7 +60,9 @@ async def measure(client: object, redis_url: str, calls: int, steps: int, rounds
     async def wrapped(round_no: int) -> float:
         start = time.perf_counter()
         for w in range(calls // steps):
-            async with saga.workflow(f"bench-{round_no}-{w}", redis=r, servers={"bench": client}, prefix=PREFIX) as wf:
+            async with mcp_saga.workflow(
+                f"bench-{round_no}-{w}", redis=r, servers={"bench": client}, prefix=PREFIX
+            ) as wf:
                 for n in range(steps):
                     await wf.call("bench", "work", {"n": n})
         return (time.perf_counter() - start) / (calls // steps * steps)
@@ -86,7 +86,7 @@ async def timings(redis_url: str, *, http: bool, calls: int, steps: int, rounds:
     from mcp import Client, StdioServerParameters
 
     if http:
-        from saga.procs import start_http_server
+        from mcp_saga.cli.procs import start_http_server
 
         with start_http_server("bench.publisher", "--serve") as (_, url):
             async with Client(url) as client:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--http", action="store_true", help="streamable HTTP instead of stdio")
     parser.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL, else a private one")
     args = parser.parse_args(argv)
-    from saga.redis_server import resolve_redis
+    from mcp_saga.cli.redis_server import resolve_redis
 
     with resolve_redis(args.redis) as url:
         asyncio.run(run(args, url))

@@ -31,18 +31,18 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from mcp import Client
+from mcp_saga.cli.procs import REPO, start_http_server, stdio_params, stop
+from mcp_saga.cli.redis_server import RedisServer, find_redis_server
+from mcp_saga.coordinator.queue import enqueue
+from mcp_saga.examples import TRIVIAL
+from mcp_saga.runtime.sessions import SessionPool
+from mcp_saga.schemas.config import ServerConfig, WorkerSettings
+from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.records import Compensation, CompensationJob, comp_encoder, idempotency_key
 from redis import Redis
 from rq import Queue, SimpleWorker
 
 from bench.table import Row
-from examples import TRIVIAL
-from saga.config import ServerConfig, WorkerSettings
-from saga.keys import Keys
-from saga.procs import REPO, start_http_server, stdio_params, stop
-from saga.redis_server import RedisServer, find_redis_server
-from schemas.records import Compensation, CompensationJob, comp_encoder, idempotency_key
-from workers.queue import enqueue
-from workers.sessions import SessionPool
 
 PREFIX = "saga-bench"
 TARGET = 0.7
@@ -100,7 +100,7 @@ def compensations_per_second(redis: Redis, url: str, config: Path, jobs: int, wo
             arguments={"n": n}, idempotency_key=key, dispatch=1, prefix=PREFIX,
         )  # fmt: skip
         enqueue(queue, job, settings)
-    command = [sys.executable, "-m", "workers", "--redis", url, "--config", str(config), "--burst"]
+    command = [sys.executable, "-m", "mcp_saga.workers", "--redis", url, "--config", str(config), "--burst"]
     procs = [
         subprocess.Popen([*command, "--log-level", "WARNING", "--name", f"bench-{workers}-{i}"], cwd=REPO)
         for i in range(workers)

@@ -16,19 +16,17 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
+from mcp_saga.coordinator.queue import enqueue, queue_for
+from mcp_saga.coordinator.store import Store
+from mcp_saga.runtime.logs import get_logger
+from mcp_saga.schemas.config import Config
+from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry
+from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, Keys
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from saga.config import Config
-from saga.keys import DEAD_AT, DEAD_ID, DEAD_REASON, Keys
-from saga.logs import get_logger
-from schemas.events import Event, InvalidEvent, StepCompleted, decode_entry
-from workers.queue import enqueue, queue_for
-
-from .machine import Machine, Rejected, WorkflowView
-from .store import Store
 
 log = get_logger("coordinator")
 

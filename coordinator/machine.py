@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import msgspec
-
-from saga.config import Config
-from schemas.events import (
+from mcp_saga.coordinator.planner import plan_step
+from mcp_saga.schemas.config import Config
+from mcp_saga.schemas.events import (
     CompensationFailed,
     CompensationRefused,
     CompensationSucceeded,
@@ -28,9 +28,7 @@ from schemas.events import (
     WorkflowCompleted,
     WorkflowFailed,
 )
-from schemas.records import IN_FLIGHT, SETTLED, UNWINDING, Compensation, CompensationJob, WorkflowState
-
-from .planner import plan_step
+from mcp_saga.schemas.records import IN_FLIGHT, SETTLED, UNWINDING, Compensation, CompensationJob, WorkflowState
 
 
 def timeline_entry(kind: str, now: float, step: str | None = None, **detail: object) -> dict[str, str]:

@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
-
-from schemas.events import StepCompleted
-from schemas.expressions import UnresolvableError, resolve_parameters
-from schemas.records import Compensation, idempotency_key
-from schemas.recovery import Recovery, RecoveryError, parse_recovery
+from mcp_saga.schemas.events import StepCompleted
+from mcp_saga.schemas.expressions import UnresolvableError, resolve_parameters
+from mcp_saga.schemas.records import Compensation, idempotency_key
+from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 
 _encoder = msgspec.json.Encoder(order="sorted")
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from importlib import resources
 
+from mcp_saga.coordinator.machine import WorkflowView
+from mcp_saga.schemas.config import CoordinatorSettings
+from mcp_saga.schemas.keys import STATUSES, Keys
+from mcp_saga.schemas.records import Compensation, comp_decoder, comp_encoder, state_from_hash
 from redis import Redis
-
-from saga.config import CoordinatorSettings
-from saga.keys import STATUSES, Keys
-from schemas.records import Compensation, comp_decoder, comp_encoder, state_from_hash
-
-from .machine import WorkflowView
 
 LOG_MAXLEN = 10_000
 

@@ -2,8 +2,8 @@
 
 # Module paths rather than modules, so that naming the servers does not import the MCP SDK.
 SERVERS: dict[str, str] = {
-    "inventory": "examples.inventory",
-    "payments": "examples.payments",
-    "shipping": "examples.shipping",
+    "inventory": "mcp_saga.examples.inventory",
+    "payments": "mcp_saga.examples.payments",
+    "shipping": "mcp_saga.examples.shipping",
 }
-TRIVIAL = "examples.trivial"
+TRIVIAL = "mcp_saga.examples.trivial"

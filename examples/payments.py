@@ -6,12 +6,11 @@ import sys
 from typing import Annotated, Literal
 
 from mcp.server.mcpserver import Context, MCPServer
+from mcp_saga.examples.ledger import Ledger, Tx
+from mcp_saga.examples.serve import main_for, new_app
+from mcp_saga.runtime.recovery_wire import compensation, idempotency_key, recoverable_tool
 from mcp_types import ToolAnnotations
 from pydantic import BaseModel, Field
-
-from examples.ledger import Ledger, Tx
-from examples.serve import main_for, new_app
-from saga.recovery_wire import compensation, idempotency_key, recoverable_tool
 
 NAME = "payments"
 

@@ -13,9 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mcp.server.mcpserver import MCPServer
+from mcp_saga.examples.ledger import Faults, Ledger, db_path
 from mcp_types import ToolAnnotations
-
-from examples.ledger import Faults, Ledger, db_path
 
 LOG_LEVEL = "WARNING"  # stdio servers share stderr with their parent; keep it for real trouble
 

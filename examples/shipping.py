@@ -7,12 +7,11 @@ from typing import Literal
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp_saga.examples.ledger import Ledger, Tx
+from mcp_saga.examples.serve import main_for, new_app
+from mcp_saga.runtime.recovery_wire import compensation, idempotency_key, recoverable_tool
 from mcp_types import ToolAnnotations
 from pydantic import BaseModel
-
-from examples.ledger import Ledger, Tx
-from examples.serve import main_for, new_app
-from saga.recovery_wire import compensation, idempotency_key, recoverable_tool
 
 NAME = "shipping"
 SIMULATED_FAILURE = "carrier rejected the shipment (simulated failure)"

@@ -15,12 +15,11 @@ import time
 from collections import defaultdict
 
 from mcp.server.mcpserver import MCPServer
+from mcp_saga.examples.ledger import Faults
+from mcp_saga.examples.serve import new_app, parse_args, run
+from mcp_saga.runtime.recovery_wire import compensation, recoverable_tool
 from mcp_types import ToolAnnotations
 from pydantic import BaseModel
-
-from examples.ledger import Faults
-from examples.serve import new_app, parse_args, run
-from saga.recovery_wire import compensation, recoverable_tool
 
 NAME = "trivial"
 

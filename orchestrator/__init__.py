@@ -1,7 +1,7 @@
-"""The publishing side for Python agents: the `workflow` wrapper and plain publishers."""
+"""The publishing side for Python agents: the `workflow` wrapper (plain publishers live in runtime)."""
 
-from .publish import AsyncPublisher, Publisher
-from .wrapper import StepNotRecorded, ToolCallFailed, Workflow, forget_declarations, workflow
+from mcp_saga.orchestrator.wrapper import StepNotRecorded, ToolCallFailed, Workflow, forget_declarations, workflow
+from mcp_saga.runtime.publish import AsyncPublisher, Publisher
 
 __all__ = [
     "AsyncPublisher",

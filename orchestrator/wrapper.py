@@ -1,4 +1,4 @@
-"""`async with saga.workflow(...) as wf`: MCP tool calls that leave a compensable trail on `saga:events`.
+"""`async with mcp_saga.workflow(...) as wf`: MCP tool calls that leave a compensable trail on `saga:events`.
 
 Each successful call costs one XADD on an async connection, handed to a task as soon as the tool
 has answered (it goes out at the agent's next await) and confirmed in the background: its round
@@ -22,20 +22,17 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, get_args
 
 import redis.asyncio as aioredis
+from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, checked_entry, clip, step_completed, workflow_failed
+from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
+from mcp_saga.schemas.events import MAX_DATA_BYTES, STEP_ID, WORKFLOW_ID, FailedStep, WorkflowCompleted, encode_payload
 from redis import Redis as SyncRedis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from saga.recovery_wire import ToolDeclaration, read_tool_declarations
-from schemas.events import MAX_DATA_BYTES, STEP_ID, WORKFLOW_ID, FailedStep, WorkflowCompleted, encode_payload
-
-from .publish import AsyncPublisher, OnFailure, checked_entry, clip, step_completed, workflow_failed
-
 if TYPE_CHECKING:
     from mcp import Client
+    from mcp_saga.schemas.config import Config
     from mcp_types import CallToolResult
-
-    from saga.config import Config
 
 log = logging.getLogger(__name__)
 _STEP_RE, _WORKFLOW_RE = re.compile(STEP_ID), re.compile(WORKFLOW_ID)
@@ -330,7 +327,7 @@ class Workflow:
         self._raise_write_error()
 
 
-# `saga.workflow("order-42", redis=..., servers={"payments": client})`: the lowercase name reads as
+# `mcp_saga.workflow("order-42", redis=..., servers={"payments": client})`: the lowercase name reads as
 # what it is used as, an `async with` block; the class documents the arguments.
 workflow = Workflow
 

@@ -21,10 +21,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import msgspec
-
-from schemas.expressions import referenced_pointers
-from schemas.pointer import PointerError, format_pointer, parse_pointer, resolve_pointer
-from schemas.recovery import Recovery, RecoveryError, parse_recovery
+from mcp_saga.schemas.expressions import referenced_pointers
+from mcp_saga.schemas.pointer import PointerError, format_pointer, parse_pointer, resolve_pointer
+from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 
 Severity = Literal["error", "warning"]
 

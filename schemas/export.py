@@ -1,4 +1,4 @@
-"""Write the JSON Schemas of the wire contract to `schemas/json/` (`python -m schemas.export`).
+"""Write the JSON Schemas of the wire contract to `schemas/json/` (`python -m mcp_saga.schemas.export`).
 
 Publishers in other languages validate against these files; a test regenerates them and fails
 when the committed copies are stale, so the files and the structs can never drift apart.
@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
-from schemas.events import PAYLOAD_TYPES
-from schemas.records import Compensation, CompensationJob
-from schemas.recovery import Recovery
+from mcp_saga.schemas.events import PAYLOAD_TYPES
+from mcp_saga.schemas.records import Compensation, CompensationJob
+from mcp_saga.schemas.recovery import Recovery
 
 OUT = Path(__file__).resolve().parent / "json"
 

@@ -36,8 +36,7 @@ import re
 from typing import Any, Literal
 
 import msgspec
-
-from schemas.pointer import PointerError, json_type, parse_pointer, resolve_pointer
+from mcp_saga.schemas.pointer import PointerError, json_type, parse_pointer, resolve_pointer
 
 Kind = Literal["response.body", "request.body", "response.header"]
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from mcp_saga.schemas.expressions import ExpressionError, parse_value
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from schemas.expressions import ExpressionError, parse_value
 
 SUPPORTED_STRATEGIES = frozenset({"compensation"})
 

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import redis
-
-from saga.redis_server import resolve_redis
+from mcp_saga.cli.redis_server import resolve_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from saga.procs import (  # noqa: F401 - re-exported for the tests
+from mcp_saga.cli.procs import (  # noqa: F401 - re-exported for the tests
     REPO,
     free_port,
     saga_process,

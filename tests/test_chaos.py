@@ -17,17 +17,24 @@ import threading
 
 import pytest
 import redis
+from mcp_saga.cli.redis_server import RedisServer, find_redis_server
+from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.coordinator.machine import Machine, WorkflowView
+from mcp_saga.schemas.config import parse_config
+from mcp_saga.schemas.events import (
+    CompensationSucceeded,
+    Event,
+    StepCompleted,
+    WorkflowFailed,
+    encode_payload,
+    entry_fields,
+)
+from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.records import WorkflowState
 from processes import REPO, saga_process, start_http_server, stop, wait_for
 
-from coordinator.consumer import Coordinator
-from coordinator.machine import Machine, WorkflowView
-from saga.config import parse_config
-from saga.keys import Keys
-from saga.redis_server import RedisServer, find_redis_server
-from schemas.events import CompensationSucceeded, Event, StepCompleted, WorkflowFailed, encode_payload, entry_fields
-from schemas.records import WorkflowState
-
 sys.path.insert(0, str(REPO))  # `bench` is not an installed package
+import mcp_saga
 from bench.chaos import Report, Settings, print_report, run_chaos
 
 K = Keys()
@@ -154,10 +161,11 @@ def test_coordinator_keeps_running_through_a_redis_restart(aof_redis: RedisServe
 def test_workflow_given_a_url_writes_its_steps_through_a_redis_restart(aof_redis: RedisServer, tmp_path) -> None:
     from mcp import Client
 
-    import saga
-
     async def run(url: str) -> int:
-        async with Client(url) as client, saga.workflow("restart", redis=aof_redis.url, servers={"p": client}) as wf:
+        async with (
+            Client(url) as client,
+            mcp_saga.workflow("restart", redis=aof_redis.url, servers={"p": client}) as wf,
+        ):
             await wf.call("p", "charge_payment", {"orderId": "o-1", "amount": 1.0})
             await wf.flush()
             restarting = threading.Thread(target=aof_redis.restart)
@@ -169,7 +177,7 @@ def test_workflow_given_a_url_writes_its_steps_through_a_redis_restart(aof_redis
             await wf.flush()  # raises StepNotRecorded if a write was lost
             return wf.steps_completed
 
-    with start_http_server("examples.payments", "--db", str(tmp_path / "payments.db")) as (_, url):
+    with start_http_server("mcp_saga.examples.payments", "--db", str(tmp_path / "payments.db")) as (_, url):
         assert asyncio.run(run(url)) == 5
     r = redis.Redis.from_url(aof_redis.url)
     steps = [fields for _, fields in r.xrange(K.events) if fields[b"type"] == b"step-completed"]

@@ -3,9 +3,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from schemas.check import Problem, ToolSchemas, check_declaration
-from schemas.recovery import parse_recovery
+from mcp_saga.schemas.check import Problem, ToolSchemas, check_declaration
+from mcp_saga.schemas.recovery import parse_recovery
 
 CHARGE_INPUT = {
     "type": "object",

@@ -7,20 +7,19 @@ import signal
 import msgspec
 import pytest
 import redis
-from processes import saga_process, stop, wait_for
-from rq import Queue
-
-from coordinator.consumer import Coordinator
-from saga.config import parse_config
-from saga.keys import Keys
-from schemas.events import (
+from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.schemas.config import parse_config
+from mcp_saga.schemas.events import (
     CompensationSucceeded,
     StepCompleted,
     WorkflowCompleted,
     WorkflowFailed,
     entry_fields,
 )
-from schemas.records import comp_decoder, job_decoder, state_from_hash
+from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.records import comp_decoder, job_decoder, state_from_hash
+from processes import saga_process, stop, wait_for
+from rq import Queue
 
 K = Keys()
 RECOVERY = {

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import yaml
-
-from saga.cli import build_parser
+from mcp_saga.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_saga_demo_shows_baseline_leftovers_and_saga_undoing_them(redis_url: str) -> None:
     env = {**os.environ, "REDIS_URL": redis_url, "COLUMNS": "200"}
     done = subprocess.run(
-        [sys.executable, "-m", "saga.cli", "demo"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+        [sys.executable, "-m", "mcp_saga.cli", "demo"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
     )
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
@@ -29,7 +28,7 @@ def test_saga_demo_shows_baseline_leftovers_and_saga_undoing_them(redis_url: str
     assert len(timeline) == 2
     assert "payments" in timeline[0] and "inventory" in timeline[1]  # reverse completion order
     # The demo itself never names a compensating tool: that knowledge comes from the servers.
-    source = (ROOT / "saga" / "demo.py").read_text()
+    source = (ROOT / "cli" / "demo.py").read_text()
     assert "refund_payment" not in source and "release_inventory" not in source and "cancel_shipment" not in source
 
 
@@ -48,7 +47,7 @@ def test_compose_runs_only_commands_that_exist() -> None:
         elif command[:2] == ["python", "-m"]:
             assert importlib.util.find_spec(command[2]) is not None, command
             if command[2].startswith("examples."):
-                from examples.serve import parse_args
+                from mcp_saga.examples.serve import parse_args
 
                 parse_args(command[2].split(".")[1], command[3:])
         elif command[0] == "redis-server":
@@ -60,7 +59,7 @@ def test_compose_runs_only_commands_that_exist() -> None:
 
 
 def test_compose_config_is_a_valid_saga_config() -> None:
-    from saga.config import load_config
+    from mcp_saga.schemas.config import load_config
 
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     config = load_config(ROOT / "deploy" / "saga.toml")

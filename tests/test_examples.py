@@ -12,14 +12,18 @@ from typing import Any
 
 import pytest
 from mcp import Client
+from mcp_saga.examples import SERVERS, TRIVIAL
+from mcp_saga.examples.ledger import DB_ENV, FAIL_RATE_ENV, TRANSIENT_PREFIX, db_path, read_state
+from mcp_saga.examples.serve import parse_args
+from mcp_saga.examples.shipping import SIMULATED_FAILURE
+from mcp_saga.runtime.recovery_wire import (
+    IDEMPOTENCY_ARGUMENT,
+    IDEMPOTENCY_META_KEY,
+    compensation,
+    read_tool_declarations,
+)
 from mcp_types import CallToolResult
 from processes import start_http_servers, stdio_params
-
-from examples import SERVERS, TRIVIAL
-from examples.ledger import DB_ENV, FAIL_RATE_ENV, TRANSIENT_PREFIX, db_path, read_state
-from examples.serve import parse_args
-from examples.shipping import SIMULATED_FAILURE
-from saga.recovery_wire import IDEMPOTENCY_ARGUMENT, IDEMPOTENCY_META_KEY, compensation, read_tool_declarations
 
 RECOVERY = {
     "inventory": (

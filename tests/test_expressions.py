@@ -7,8 +7,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from schemas.expressions import (
+from mcp_saga.schemas.expressions import (
     Constant,
     Expression,
     ExpressionError,
@@ -20,7 +19,7 @@ from schemas.expressions import (
     resolve_value,
     response_body,
 )
-from schemas.pointer import format_pointer
+from mcp_saga.schemas.pointer import format_pointer
 
 # The SEP's reference call: charge_payment returned this and is compensated by refund_payment.
 CHARGE_ARGUMENTS = {"orderId": "order-42", "amount": 59.97, "card": {"last4": "4242"}}

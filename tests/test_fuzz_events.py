@@ -28,15 +28,22 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.schemas.config import parse_config
+from mcp_saga.schemas.events import (
+    MAX_DATA_BYTES,
+    MAX_DEPTH,
+    PAYLOAD_TYPES,
+    STEP_ID,
+    WORKFLOW_ID,
+    InvalidEvent,
+    decode_entry,
+)
+from mcp_saga.schemas.keys import STATUSES, Keys
+from mcp_saga.schemas.records import IN_FLIGHT, SETTLED, CompensationJob, comp_decoder, job_decoder, state_from_hash
 from processes import saga_process, stop, wait_for
 from rq import Queue
 from rq.job import Job
-
-from coordinator.consumer import Coordinator
-from saga.config import parse_config
-from saga.keys import STATUSES, Keys
-from schemas.events import MAX_DATA_BYTES, MAX_DEPTH, PAYLOAD_TYPES, STEP_ID, WORKFLOW_ID, InvalidEvent, decode_entry
-from schemas.records import IN_FLIGHT, SETTLED, CompensationJob, comp_decoder, job_decoder, state_from_hash
 
 K = Keys()
 TYPES = sorted(PAYLOAD_TYPES)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from coordinator.machine import Machine, Rejected, WorkflowView
-from saga.config import parse_config
-from schemas.events import (
+from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
+from mcp_saga.schemas.config import parse_config
+from mcp_saga.schemas.events import (
     CompensationFailed,
     CompensationRefused,
     CompensationSucceeded,
@@ -19,7 +18,7 @@ from schemas.events import (
     WorkflowFailed,
     encode_payload,
 )
-from schemas.records import WorkflowState, idempotency_key
+from mcp_saga.schemas.records import WorkflowState, idempotency_key
 
 RESERVE = {
     "strategy": "compensation",

@@ -17,13 +17,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from processes import REPO
-
-from coordinator.consumer import Coordinator
-from saga.cli import main
-from saga.config import Config, parse_config
-from saga.keys import Keys
-from schemas.events import (
+from mcp_saga.cli.main import main
+from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.schemas.config import Config, parse_config
+from mcp_saga.schemas.events import (
     CompensationFailed,
     CompensationRefused,
     CompensationSucceeded,
@@ -35,7 +32,9 @@ from schemas.events import (
     WorkflowFailed,
     entry_fields,
 )
-from schemas.records import Compensation, comp_decoder
+from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.records import Compensation, comp_decoder
+from processes import REPO
 
 Run = Callable[..., tuple[int, str, str]]
 
@@ -490,7 +489,7 @@ def test_check_reports_problems_per_tool_and_fails_on_errors(
     config.write_text(
         f"""
 [servers.trivial]
-command = [{json.dumps(sys.executable)}, "-m", "examples.trivial"]
+command = [{json.dumps(sys.executable)}, "-m", "mcp_saga.examples.trivial"]
 cwd = {json.dumps(str(REPO))}
 
 [servers.trivial.recovery.noop_undo]

@@ -12,25 +12,25 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import mcp_saga.orchestrator.wrapper as sdk
 import msgspec
 import pytest
 import redis
 import redis.asyncio as aioredis
 from mcp import Client
 from mcp.server.mcpserver import MCPServer
+from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.examples import SERVERS
+from mcp_saga.examples.shipping import SIMULATED_FAILURE
+from mcp_saga.runtime.recovery_wire import compensation
+from mcp_saga.schemas.config import parse_config
+from mcp_saga.schemas.events import Event, FailedStep, StepCompleted, WorkflowCompleted, WorkflowFailed, decode_entry
+from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.recovery import parse_recovery
 from mcp_types import CallToolResult, TextContent
 from processes import start_http_servers, stdio_params
 
-import orchestrator.wrapper as sdk
-import saga
-from coordinator.consumer import Coordinator
-from examples import SERVERS
-from examples.shipping import SIMULATED_FAILURE
-from saga.config import parse_config
-from saga.keys import Keys
-from saga.recovery_wire import compensation
-from schemas.events import Event, FailedStep, StepCompleted, WorkflowCompleted, WorkflowFailed, decode_entry
-from schemas.recovery import parse_recovery
+import mcp_saga
 
 pytestmark = pytest.mark.anyio
 K = Keys()
@@ -110,9 +110,9 @@ async def test_clean_block_publishes_each_step_then_completed(
     real = sdk.read_tool_declarations
     monkeypatch.setattr(sdk, "read_tool_declarations", counting)
     for client in clients.values():
-        saga.forget_declarations(client)
+        mcp_saga.forget_declarations(client)
     for n in (1, 2):
-        async with saga.workflow(f"order-{n}", redis=ar, servers=clients) as wf:
+        async with mcp_saga.workflow(f"order-{n}", redis=ar, servers=clients) as wf:
             results = [await wf.call(*call) for call in ORDER]
         assert wf.steps_completed == 3
 
@@ -137,7 +137,7 @@ async def test_raising_block_publishes_failed_and_reraises_the_same_exception(
 ) -> None:
     boom = Boom("the model changed its mind")
     with pytest.raises(Boom) as raised:
-        async with saga.workflow("order-boom", redis=ar, servers=clients) as wf:
+        async with mcp_saga.workflow("order-boom", redis=ar, servers=clients) as wf:
             for call in ORDER[:2]:
                 await wf.call(*call)
             raise boom
@@ -157,8 +157,10 @@ async def test_raising_block_publishes_failed_and_reraises_the_same_exception(
 async def test_an_is_error_call_is_not_a_step_and_fails_the_block(
     r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client]
 ) -> None:
-    with pytest.raises(saga.ToolCallFailed) as raised:
-        async with saga.workflow("order-err", redis=ar, servers=clients, parallel=True, on_failure="continue") as wf:
+    with pytest.raises(mcp_saga.ToolCallFailed) as raised:
+        async with mcp_saga.workflow(
+            "order-err", redis=ar, servers=clients, parallel=True, on_failure="continue"
+        ) as wf:
             for call in [*ORDER[:2], FAILING_SHIPMENT]:
                 await wf.call(*call)
     assert raised.value.result.is_error and SIMULATED_FAILURE in str(raised.value)
@@ -176,8 +178,8 @@ async def test_an_is_error_call_is_not_a_step_and_fails_the_block(
 async def test_a_caught_failure_can_be_retried_under_its_step_id(
     r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client]
 ) -> None:
-    async with saga.workflow("order-retry", redis=ar, servers=clients) as wf:
-        with pytest.raises(saga.ToolCallFailed):
+    async with mcp_saga.workflow("order-retry", redis=ar, servers=clients) as wf:
+        with pytest.raises(mcp_saga.ToolCallFailed):
             await wf.call(*FAILING_SHIPMENT, step="ship")
         await wf.call(*ORDER[2], step="ship")
         with pytest.raises(ValueError, match="already used"):
@@ -192,8 +194,8 @@ async def test_a_failure_while_calls_are_in_flight_counts_them(
     r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client]
 ) -> None:
     """gather() raises at the first failure while its siblings still run: the exit waits for them."""
-    with pytest.raises(saga.ToolCallFailed):
-        async with saga.workflow("order-gather", redis=ar, servers=clients) as wf:
+    with pytest.raises(mcp_saga.ToolCallFailed):
+        async with mcp_saga.workflow("order-gather", redis=ar, servers=clients) as wf:
             await asyncio.gather(*(wf.call(*call) for call in [FAILING_SHIPMENT, *ORDER[:2]]))
     *steps, failed = events(r)
     assert len(steps) == 2 and {e.type for e in steps} == {"step-completed"}
@@ -213,7 +215,7 @@ async def test_an_overlay_from_the_config_is_what_the_event_records(
             },
         }
     )
-    async with saga.workflow("order-ov", redis=ar, servers=clients, config=config) as wf:
+    async with mcp_saga.workflow("order-ov", redis=ar, servers=clients, config=config) as wf:
         for call in ORDER[:2]:
             await wf.call(*call)
     reserve, charge, completed = events(r, Keys("ov"))
@@ -225,8 +227,11 @@ async def test_an_overlay_from_the_config_is_what_the_event_records(
 async def test_over_stdio_the_recovery_comes_from_the_live_listing(
     r: redis.Redis, ar: aioredis.Redis, tmp_path: Path
 ) -> None:
-    params = stdio_params("examples.payments", "--db", str(tmp_path / "p.db"))
-    async with Client(params) as payments, saga.workflow("order-stdio", redis=ar, servers={"payments": payments}) as wf:
+    params = stdio_params("mcp_saga.examples.payments", "--db", str(tmp_path / "p.db"))
+    async with (
+        Client(params) as payments,
+        mcp_saga.workflow("order-stdio", redis=ar, servers={"payments": payments}) as wf,
+    ):
         await wf.call(*ORDER[1], step="charge")
     step, _ = events(r)
     assert (step.data.step, step.data.recovery) == ("charge", DECLARED["charge_payment"])
@@ -237,7 +242,7 @@ async def test_sync_and_async_publishers_write_entries_the_coordinator_accepts(
 ) -> None:
     result = CallToolResult(content=[TextContent(type="text", text='{"id": "A-1"}')], structured_content={"id": "A-1"})
     recovery = parse_recovery(compensation("undo", id="$response.body#/id"))
-    sync, async_ = saga.Publisher(r), saga.AsyncPublisher(ar)
+    sync, async_ = mcp_saga.Publisher(r), mcp_saga.AsyncPublisher(ar)
     sync.step_completed("wf-sync", "a", "svc", "do", {"n": 1}, result, recovery, {"destructiveHint": False})
     await async_.step_completed("wf-async", "a", "svc", "do", {"n": 1}, {"structuredContent": {"id": "A-1"}}, recovery)
     sync.workflow_failed("wf-sync", "it broke", {"tool": "later", "error": "x" * 10_000}, steps_completed=1)
@@ -263,7 +268,7 @@ async def test_sync_and_async_publishers_write_entries_the_coordinator_accepts(
 async def test_invalid_entries_are_refused_before_anything_is_written(
     r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client]
 ) -> None:
-    sync, async_ = saga.Publisher(r), saga.AsyncPublisher(ar)
+    sync, async_ = mcp_saga.Publisher(r), mcp_saga.AsyncPublisher(ar)
     result = {"structuredContent": {}}
     for bad in ["-leading-dash", "has space", "x" * 201, "{tag}", ""]:
         with pytest.raises(ValueError, match="invalid workflow id"):
@@ -271,7 +276,7 @@ async def test_invalid_entries_are_refused_before_anything_is_written(
         with pytest.raises(ValueError, match="invalid workflow id"):
             await async_.step_completed(bad, "a", "svc", "do", {}, result)
         with pytest.raises(ValueError, match="invalid workflow id"):
-            saga.workflow(bad, redis=ar, servers=clients)
+            mcp_saga.workflow(bad, redis=ar, servers=clients)
     for bad in ["has space", "x" * 65, "", "a/b"]:
         with pytest.raises(ValueError, match="step"):
             sync.step_completed("wf", bad, "svc", "do", {}, result)
@@ -282,10 +287,10 @@ async def test_invalid_entries_are_refused_before_anything_is_written(
     with pytest.raises(ValueError, match="not JSON"):
         sync.step_completed("wf", "a", "svc", "do", {"x": object()}, result)
     with pytest.raises(ValueError, match="not a URL"):
-        saga.workflow("wf", redis=ar, servers={"http://127.0.0.1:1/mcp": clients["payments"]})
+        mcp_saga.workflow("wf", redis=ar, servers={"http://127.0.0.1:1/mcp": clients["payments"]})
     with pytest.raises(TypeError, match=r"redis\.asyncio"):
-        saga.workflow("wf", redis=r, servers=clients)
-    async with saga.workflow("wf", redis=ar, servers=clients) as wf:
+        mcp_saga.workflow("wf", redis=r, servers=clients)
+    async with mcp_saga.workflow("wf", redis=ar, servers=clients) as wf:
         with pytest.raises(ValueError, match="invalid step id"):
             await wf.call(*ORDER[1], step="no spaces please")
         with pytest.raises(ValueError, match="unknown server"):
@@ -305,7 +310,7 @@ async def test_a_result_over_the_cap_keeps_structured_content_or_is_counted_as_u
 
     async with Client(app) as client:
         with pytest.raises(ValueError, match="cap"):
-            async with saga.workflow("order-big", redis=ar, servers={"big": client}) as wf:
+            async with mcp_saga.workflow("order-big", redis=ar, servers={"big": client}) as wf:
                 await wf.call("big", "blob", {"size": 150_000})
                 await wf.call("big", "blob", {"size": 300_000})
     step, failed = events(r)
@@ -325,10 +330,10 @@ async def test_a_step_that_could_not_be_written_refuses_the_next_call(
         return await xadd(*args, **kwargs)
 
     monkeypatch.setattr(ar, "xadd", first_write_lost)
-    with pytest.raises(saga.StepNotRecorded, match="1-reserve_inventory"):
-        async with saga.workflow("order-lost", redis=ar, servers=clients) as wf:
+    with pytest.raises(mcp_saga.StepNotRecorded, match="1-reserve_inventory"):
+        async with mcp_saga.workflow("order-lost", redis=ar, servers=clients) as wf:
             await wf.call(*ORDER[0])
-            with pytest.raises(saga.StepNotRecorded):
+            with pytest.raises(mcp_saga.StepNotRecorded):
                 await wf.flush()
             await wf.call(*ORDER[1])  # refused before the tool runs: no new side effect on an unrecorded trail
     assert wf.steps_completed == 1

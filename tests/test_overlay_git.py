@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import redis
 from mcp import Client, StdioServerParameters
+from mcp_saga.cli.main import main as saga_main
+from mcp_saga.schemas.config import load_config
+from mcp_saga.schemas.keys import Keys
 from processes import saga_process, stop, wait_for
 
-import saga
-from saga.cli import main as saga_main
-from saga.config import load_config
-from saga.keys import Keys
+import mcp_saga
 
 ROOT = Path(__file__).resolve().parent.parent
 GIT_VENV = ROOT / ".cache" / "mcp-server-git"
@@ -90,7 +90,7 @@ async def run_failing_workflow(workflow: str, redis_url: str, config: Path, bina
     params = StdioServerParameters(command=str(binary), args=["--repository", str(repo)])
     async with Client(params) as client:
         with pytest.raises(RuntimeError, match="later step"):
-            async with saga.workflow(
+            async with mcp_saga.workflow(
                 workflow, redis=redis_url, servers={"git": client}, config=load_config(config)
             ) as wf:
                 arguments = {"repo_path": str(repo)} | ({"files": ["new.txt"]} if tool == "git_add" else {})
@@ -149,7 +149,7 @@ def test_a_malformed_overlay_stops_start_up_naming_server_tool_and_field(tmp_pat
         'compensatingOperation = { operationId = "git reset", parameters = { repo_path = "$request.query.x" } }\n'
     )
     done = subprocess.run(
-        [sys.executable, "-m", "saga.cli", "worker", "--config", str(config), "--redis", "redis://127.0.0.1:1"],
+        [sys.executable, "-m", "mcp_saga.cli", "worker", "--config", str(config), "--redis", "redis://127.0.0.1:1"],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -5,8 +5,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from schemas.pointer import PointerError, escape, format_pointer, parse_pointer, resolve_pointer, unescape
+from mcp_saga.schemas.pointer import PointerError, escape, format_pointer, parse_pointer, resolve_pointer, unescape
 
 # The example document of RFC 6901 section 5.
 RFC_DOC = {

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from mcp_saga.schemas.keys import Keys
 from processes import saga_process, stop, wait_for
-
-from saga.keys import Keys
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -47,7 +46,7 @@ def test_redis_cli_publishing_example_is_compensated(r: redis.Redis, redis_url: 
 def test_configuration_reference_is_a_valid_config() -> None:
     import tomllib
 
-    from saga.config import parse_config
+    from mcp_saga.schemas.config import parse_config
 
     section = README.read_text().split("## Configuration", 1)[1]
     block = re.search(r"```toml\n(.*?)```", section, re.S)

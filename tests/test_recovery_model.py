@@ -4,8 +4,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-from schemas.recovery import Recovery, RecoveryError, parse_recovery
+from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 
 # SEP-3172 section 4.2, verbatim.
 SEP_EXAMPLE = """

@@ -15,10 +15,7 @@ from typing import Any
 import pytest
 from mcp import Client
 from mcp.server.mcpserver import Context, MCPServer
-from mcp_types import ToolAnnotations
-from processes import REPO, start_http_server, stdio_params
-
-from saga.recovery_wire import (
+from mcp_saga.runtime.recovery_wire import (
     IDEMPOTENCY_META_KEY,
     RECOVERY_META_KEY,
     RecoveryAnnotations,
@@ -29,7 +26,9 @@ from saga.recovery_wire import (
     read_tool_declarations,
     recoverable_tool,
 )
-from schemas.recovery import RecoveryError
+from mcp_saga.schemas.recovery import RecoveryError
+from mcp_types import ToolAnnotations
+from processes import REPO, start_http_server, stdio_params
 
 MODULE = "test_recovery_wire"
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))}

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import mcp_saga.cli.redis_server as rs
 import pytest
 import redis
-
-import saga.redis_server as rs
 
 
 def test_a_configured_url_is_used_as_is(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,14 +27,13 @@ from typing import Any
 import pytest
 import redis
 from mcp import Client
+from mcp_saga.cli.main import main as saga_main
+from mcp_saga.examples.ledger import read_state
+from mcp_saga.runtime.recovery_wire import compensation
+from mcp_saga.schemas.events import StepCompleted, WorkflowFailed, entry_fields
+from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.records import Compensation, WorkflowState, comp_decoder, state_from_hash
 from processes import saga_process, start_http_servers, stop, wait_for
-
-from examples.ledger import read_state
-from saga.cli import main as saga_main
-from saga.keys import Keys
-from saga.recovery_wire import compensation
-from schemas.events import StepCompleted, WorkflowFailed, entry_fields
-from schemas.records import Compensation, WorkflowState, comp_decoder, state_from_hash
 
 K = Keys()
 SERVERS = ("payments", "inventory", "shipping")
@@ -147,7 +146,7 @@ def world(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     dbs = {name: tmp / f"{name}.db" for name in SERVERS}
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
-    specs = [(f"examples.{name}", "--db", str(dbs[name])) for name in SERVERS]
+    specs = [(f"mcp_saga.examples.{name}", "--db", str(dbs[name])) for name in SERVERS]
     with start_http_servers(*specs) as started:
         direct = {name: url for name, (_, url) in zip(SERVERS, started, strict=True)}
         ports = {name: int(url.rsplit(":", 1)[1].split("/")[0]) for name, url in direct.items()}

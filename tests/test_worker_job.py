@@ -1,7 +1,7 @@
 """Compensations end to end: real redis-server, real worker processes, real MCP servers.
 
 Each test plays the coordinator's part by hand (writes the compensation record, enqueues the job
-with `workers.queue.enqueue`), runs `python -m workers`, and then reads the reports on
+with `mcp_saga.coordinator.queue.enqueue`), runs `python -m mcp_saga.workers`, and then reads the reports on
 `saga:events` and the example servers' SQLite ledgers.
 """
 
@@ -21,18 +21,17 @@ from typing import Any
 import pytest
 import redis
 from mcp import Client
+from mcp_saga.coordinator.queue import enqueue
+from mcp_saga.examples.ledger import read_state
+from mcp_saga.schemas.config import WorkerSettings
+from mcp_saga.schemas.events import decode_entry
+from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.records import Compensation, CompensationJob, arguments_digest, comp_encoder, idempotency_key
+from mcp_saga.workers.job import CRASH_AFTER_CALL_ENV
 from processes import REPO, free_port, start_http_server, stdio_params, stop, wait_for, wait_until_accepting
 from rq import Queue, Worker
 from rq.job import Job
 from test_worker_sessions import SCRATCH
-
-from examples.ledger import read_state
-from saga.config import WorkerSettings
-from saga.keys import Keys
-from schemas.events import decode_entry
-from schemas.records import Compensation, CompensationJob, arguments_digest, comp_encoder, idempotency_key
-from workers.job import CRASH_AFTER_CALL_ENV
-from workers.queue import enqueue
 
 K = Keys()
 FAST = {"attempts": 5, "backoff_base": 0, "jitter": 0}
@@ -107,7 +106,7 @@ def write_config(path: Path, servers: dict[str, dict[str, Any]], **sections: dic
 
 
 def worker_command(redis_url: str, config: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "workers", "--redis", redis_url, "--config", str(config), *extra]
+    return [sys.executable, "-m", "mcp_saga.workers", "--redis", redis_url, "--config", str(config), *extra]
 
 
 def run_burst(redis_url: str, config: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -129,7 +128,7 @@ def start_worker(redis_url: str, config: Path, name: str, log: Path) -> subproce
 
 
 def payments_stdio(db: Path, *args: str) -> dict[str, Any]:
-    return {"command": [sys.executable, "-m", "examples.payments", "--db", str(db), *args], "cwd": str(REPO)}
+    return {"command": [sys.executable, "-m", "mcp_saga.examples.payments", "--db", str(db), *args], "cwd": str(REPO)}
 
 
 def charge(target: Any, order: str = "order-42", amount: float = 10) -> str:
@@ -163,7 +162,7 @@ def db(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def payments_http(db: Path) -> Iterator[str]:
-    with start_http_server("examples.payments", "--db", str(db)) as (_, url):
+    with start_http_server("mcp_saga.examples.payments", "--db", str(db)) as (_, url):
         yield url
 
 
@@ -171,7 +170,7 @@ def payments_http(db: Path) -> Iterator[str]:
 
 
 def test_success_over_stdio(r: redis.Redis, redis_url: str, tmp_path: Path, db: Path) -> None:
-    transaction = charge(stdio_params("examples.payments", "--db", str(db)))
+    transaction = charge(stdio_params("mcp_saga.examples.payments", "--db", str(db)))
     config = write_config(tmp_path / "saga.toml", {"payments": payments_stdio(db)})
     job = plan(r, "order-1", "charge", {"transactionId": transaction})
 
@@ -197,7 +196,7 @@ def test_success_over_stdio(r: redis.Redis, redis_url: str, tmp_path: Path, db: 
 
 
 def test_fails_twice_with_is_error_then_succeeds_once(r: redis.Redis, redis_url: str, tmp_path: Path, db: Path) -> None:
-    with start_http_server("examples.payments", "--db", str(db), "--fail-first", "2") as (_, url):
+    with start_http_server("mcp_saga.examples.payments", "--db", str(db), "--fail-first", "2") as (_, url):
         transaction = charge(url)
         config = write_config(tmp_path / "saga.toml", {"payments": {"url": url}})
         job = plan(r, "order-2", "charge", {"transactionId": transaction})
@@ -214,7 +213,7 @@ def test_fails_twice_with_is_error_then_succeeds_once(r: redis.Redis, redis_url:
 
 
 def test_a_permanent_failure_ends_with_a_final_report(r: redis.Redis, redis_url: str, tmp_path: Path, db: Path) -> None:
-    with start_http_server("examples.payments", "--db", str(db)) as (_, url):
+    with start_http_server("mcp_saga.examples.payments", "--db", str(db)) as (_, url):
         config = write_config(tmp_path / "saga.toml", {"payments": {"url": url}}, worker={**FAST, "attempts": 3})
         job = plan(r, "order-3", "charge", {"transactionId": "TXN-NEVER-CHARGED"}, worker={**FAST, "attempts": 3})
         assert run_burst(redis_url, config).returncode == 0
@@ -255,7 +254,7 @@ def test_unknown_tools_and_invalid_arguments_are_not_retried(
 
 def test_server_down_then_up(r: redis.Redis, redis_url: str, tmp_path: Path, db: Path) -> None:
     port = free_port()
-    command = [sys.executable, "-m", "examples.payments", "--http", str(port), "--db", str(db)]
+    command = [sys.executable, "-m", "mcp_saga.examples.payments", "--http", str(port), "--db", str(db)]
     server = subprocess.Popen(command, cwd=REPO, stderr=subprocess.DEVNULL)
     wait_until_accepting("127.0.0.1", port, server)
     transaction = charge(f"http://127.0.0.1:{port}/mcp")
@@ -290,7 +289,7 @@ def test_server_down_then_up(r: redis.Redis, redis_url: str, tmp_path: Path, db:
 
 
 def test_policy_approval_then_approved_and_deny(r: redis.Redis, redis_url: str, tmp_path: Path, db: Path) -> None:
-    transaction = charge(stdio_params("examples.payments", "--db", str(db)))
+    transaction = charge(stdio_params("mcp_saga.examples.payments", "--db", str(db)))
     servers = {"payments": payments_stdio(db)}
     approval = write_config(tmp_path / "approval.toml", servers, policy={"approval": ["payments:refund_*"]})
     deny = write_config(tmp_path / "deny.toml", servers, policy={"auto": ["*"], "deny": ["payments:*"]})

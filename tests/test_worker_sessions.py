@@ -14,15 +14,14 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from mcp_saga.runtime.sessions import CallTimeout, SessionPool, TransportError, UnknownServer
+from mcp_saga.schemas.config import ServerConfig
 from processes import REPO, free_port, start_http_server, stop, wait_until_accepting
-
-from saga.config import ServerConfig
-from workers.sessions import CallTimeout, SessionPool, TransportError, UnknownServer
 
 SCRATCH = """
 import asyncio, os, sys
 from mcp.server.mcpserver import MCPServer
-from saga.recovery_wire import compensation, recoverable_tool
+from mcp_saga.runtime.recovery_wire import compensation, recoverable_tool
 
 app = MCPServer("scratch", log_level="WARNING")
 
@@ -75,13 +74,13 @@ def scratch_http() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
 
 @pytest.fixture
 def trivial_http() -> Iterator[str]:
-    with start_http_server("examples.trivial") as (_, url):
+    with start_http_server("mcp_saga.examples.trivial") as (_, url):
         yield url
 
 
 def test_one_warm_session_per_server_over_stdio_and_http(trivial_http: str) -> None:
     servers = {
-        "stdio": ServerConfig(command=[sys.executable, "-m", "examples.trivial"], cwd=str(REPO)),
+        "stdio": ServerConfig(command=[sys.executable, "-m", "mcp_saga.examples.trivial"], cwd=str(REPO)),
         "http": ServerConfig(url=trivial_http),
     }
     with SessionPool(servers) as pool:

@@ -6,12 +6,11 @@ from typing import Any
 
 import msgspec
 import pytest
-
-from saga.config import Config, parse_config
-from saga.recovery_wire import ToolDeclaration, compensation, declaration_from_wire
-from schemas.records import Compensation, CompensationJob, idempotency_key
-from workers.job import _PERMANENT, attempt_of
-from workers.trust import Refusal, check, check_request
+from mcp_saga.runtime.recovery_wire import ToolDeclaration, compensation, declaration_from_wire
+from mcp_saga.schemas.config import Config, parse_config
+from mcp_saga.schemas.records import Compensation, CompensationJob, idempotency_key
+from mcp_saga.workers.job import _PERMANENT, attempt_of
+from mcp_saga.workers.trust import Refusal, check, check_request
 
 WF, STEP = "order-42", "charge"
 REFUND = compensation("refund_payment", transactionId="$response.body#/transactionId")

@@ -1,4 +1,4 @@
-"""`python -m workers --redis URL --config FILE`: the worker without the `saga` CLI (tests use it)."""
+"""`python -m mcp_saga.workers --redis URL --config FILE`: the worker without the `saga` CLI (tests use it)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import argparse
 import os
 import sys
 
-from saga.config import ConfigError, load_config
-from workers.process import run_worker
+from mcp_saga.schemas.config import ConfigError, load_config
+from mcp_saga.workers.process import run_worker
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers", description="Run one mcp-saga worker.")
+    parser = argparse.ArgumentParser(prog="python -m mcp_saga.workers", description="Run one mcp-saga worker.")
     parser.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="Redis URL (default: $REDIS_URL)")
     parser.add_argument("--config", default=os.environ.get("SAGA_CONFIG"), help="TOML file (default: $SAGA_CONFIG)")
     parser.add_argument("--name", help="worker name (default: RQ's)")

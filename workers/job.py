@@ -22,16 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from redis import Redis
-from rq import get_current_job
-from rq.job import Job
-from rq.timeouts import JobTimeoutException
-
-from saga.config import Config, WorkerSettings, load_config
-from saga.keys import Keys
-from saga.logs import get_logger
-from saga.recovery_wire import IDEMPOTENCY_META_KEY, ToolDeclaration
-from schemas.events import (
+from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.recovery_wire import IDEMPOTENCY_META_KEY, ToolDeclaration
+from mcp_saga.runtime.sessions import SessionError, SessionPool
+from mcp_saga.schemas.config import Config, WorkerSettings, load_config
+from mcp_saga.schemas.events import (
     CompensationFailed,
     CompensationRefused,
     CompensationSucceeded,
@@ -39,9 +34,13 @@ from schemas.events import (
     StepCompleted,
     entry_fields,
 )
-from schemas.records import SETTLED, Compensation, CompensationJob, arguments_digest, comp_decoder, job_decoder
-from workers import trust
-from workers.sessions import SessionError, SessionPool
+from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.records import SETTLED, Compensation, CompensationJob, arguments_digest, comp_decoder, job_decoder
+from mcp_saga.workers import trust
+from redis import Redis
+from rq import get_current_job
+from rq.job import Job
+from rq.timeouts import JobTimeoutException
 
 log = get_logger("worker")
 
@@ -94,7 +93,7 @@ def _current_context(rq_job: Job | None) -> WorkerContext:
     """The process's context; under a plain `rq worker` one is built from `SAGA_CONFIG` on first use."""
     if _context is None:
         if rq_job is None:
-            raise RuntimeError("workers.job.compensate runs inside an RQ worker (or after set_context)")
+            raise RuntimeError("mcp_saga.workers.job.compensate runs inside an RQ worker (or after set_context)")
         config = load_config()
         log.warning("no worker context: built one from SAGA_CONFIG; `saga worker` keeps sessions warm across jobs")
         set_context(rq_job.connection, config, SessionPool(config.servers, tools_ttl=config.worker.tools_ttl), "rq")

@@ -17,17 +17,16 @@ from __future__ import annotations
 import logging
 import threading
 
+from mcp_saga.runtime.logs import configure, get_logger
+from mcp_saga.runtime.sessions import SessionPool
+from mcp_saga.schemas.config import Config
+from mcp_saga.schemas.keys import Keys
+from mcp_saga.workers.job import clear_context, set_context
 from redis import Redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 from rq import Queue, SimpleWorker
 from rq.timeouts import TimerDeathPenalty
-
-from saga.config import Config
-from saga.keys import Keys
-from saga.logs import configure, get_logger
-from workers.job import clear_context, set_context
-from workers.sessions import SessionPool
 
 log = get_logger("worker")
 

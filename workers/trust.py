@@ -18,12 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from saga.config import Config
-from saga.recovery_wire import ToolDeclaration
-from schemas.events import StepCompleted
-from schemas.expressions import UnresolvableError, resolve_parameters
-from schemas.records import Compensation, CompensationJob
-from schemas.recovery import Recovery
+from mcp_saga.runtime.recovery_wire import ToolDeclaration
+from mcp_saga.schemas.config import Config
+from mcp_saga.schemas.events import StepCompleted
+from mcp_saga.schemas.expressions import UnresolvableError, resolve_parameters
+from mcp_saga.schemas.records import Compensation, CompensationJob
+from mcp_saga.schemas.recovery import Recovery
 
 
 @dataclass(frozen=True, slots=True)

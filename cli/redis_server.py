@@ -133,7 +133,7 @@ def resolve_redis(url: str | None = None, *, appendonly: bool = False) -> Iterat
         server.cleanup()
 
 
-if __name__ == "__main__":  # `python -m saga.redis_server`: serve a throwaway Redis until Ctrl-C.
+if __name__ == "__main__":  # `python -m mcp_saga.cli.redis_server`: serve a throwaway Redis until Ctrl-C.
     with resolve_redis(None) as served:
         print(served, flush=True)
         with contextlib.suppress(KeyboardInterrupt):

@@ -13,10 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel
-
-from saga.keys import Keys
-from schemas.events import (
+from mcp_saga.schemas.events import (
     FailedStep,
     Payload,
     StepCompleted,
@@ -25,7 +22,9 @@ from schemas.events import (
     decode_entry,
     encode_payload,
 )
-from schemas.recovery import Recovery
+from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.recovery import Recovery
+from pydantic import BaseModel
 
 if TYPE_CHECKING:
     import redis

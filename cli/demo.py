@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from mcp_saga.cli.redis_server import resolve_redis
+from mcp_saga.schemas.keys import Keys
 from rich.console import Console
 from rich.table import Table
 
-from saga.keys import Keys
-from saga.redis_server import resolve_redis
+import mcp_saga
 
 SCENARIO = [
     ("inventory", "reserve_inventory", {"sku": "SKU-42", "quantity": 3}),
@@ -56,7 +57,7 @@ def register(sub: argparse._SubParsersAction, common: Callable[[argparse.Argumen
 
 def run_scenario(args: argparse.Namespace) -> int:
     """The demo's orchestrator alone: for compose, or a coordinator and workers you run yourself."""
-    from saga.cli import CliError, config_of, redis_url
+    from mcp_saga.cli.args import CliError, config_of, redis_url
 
     config = config_of(args)
     missing = [name for name in SERVERS if name not in config.servers or not config.servers[name].url]
@@ -101,13 +102,15 @@ class Demo:
         self.keys = Keys()
 
     def run(self) -> int:
-        from saga.procs import start_http_servers
+        from mcp_saga.cli.procs import start_http_servers
 
         baseline_dbs = {name: self.workdir / f"baseline-{name}.db" for name in SERVERS}
         saga_dbs = {name: self.workdir / f"saga-{name}.db" for name in SERVERS}
         status = self.console.status("starting the example MCP servers (streamable HTTP)")
         with status, contextlib.ExitStack() as stack:
-            specs = [(f"examples.{n}", "--db", str(db)) for dbs in (baseline_dbs, saga_dbs) for n, db in dbs.items()]
+            specs = [
+                (f"mcp_saga.examples.{n}", "--db", str(db)) for dbs in (baseline_dbs, saga_dbs) for n, db in dbs.items()
+            ]
             started = stack.enter_context(start_http_servers(*specs))
             urls = [url for _, url in started]
             baseline_urls = dict(zip(SERVERS, urls[:3], strict=True))
@@ -149,8 +152,8 @@ class Demo:
 
     @contextlib.contextmanager
     def _saga_processes(self, config: Path) -> Iterator[None]:
-        from saga.procs import saga_process
-        from saga.procs import stop as stop_all
+        from mcp_saga.cli.procs import saga_process
+        from mcp_saga.cli.procs import stop as stop_all
 
         procs = [
             saga_process("coordinator", redis_url=self.redis_url, config=config, log=self.workdir / "coordinator.log"),
@@ -169,12 +172,10 @@ class Demo:
     ) -> str:
         from mcp import Client
 
-        import saga
-
         async with contextlib.AsyncExitStack() as stack:
             clients = {name: await stack.enter_async_context(Client(url)) for name, url in urls.items()}
             try:
-                async with saga.workflow(self.workflow, redis=self.redis_url, servers=clients) as wf:
+                async with mcp_saga.workflow(self.workflow, redis=self.redis_url, servers=clients) as wf:
                     for server, tool, arguments in scenario:
                         await wf.call(server, tool, arguments)
                         self.console.print(f"  {server}:{tool} done, published step-completed")
@@ -237,7 +238,7 @@ async def baseline(urls: dict[str, str]) -> str:
 
 
 def _summary(db: Path) -> dict[str, dict[str, int]]:
-    from examples.ledger import read_state
+    from mcp_saga.examples.ledger import read_state
 
     return read_state(db)["summary"] if db.exists() else {}
 

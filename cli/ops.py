@@ -22,16 +22,11 @@ from typing import Any
 
 import msgspec
 import redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from coordinator.machine import RETRYABLE, operator_refusal
-from saga import render
-from saga.cli import CliError, config_of, redis_url
-from saga.config import Config
-from saga.keys import DEAD_AT, DEAD_ID, DEAD_REASON, STATUSES, Keys
-from schemas.events import (
+from mcp_saga.cli import render
+from mcp_saga.cli.args import CliError, config_of, redis_url
+from mcp_saga.coordinator.machine import RETRYABLE, operator_refusal
+from mcp_saga.schemas.config import Config
+from mcp_saga.schemas.events import (
     STEP_ID,
     WORKFLOW_ID,
     OperatorApprove,
@@ -41,7 +36,11 @@ from schemas.events import (
     OperatorSkip,
     entry_fields,
 )
-from schemas.records import UNWINDING, Compensation, WorkflowState, comp_decoder, state_from_hash
+from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, STATUSES, Keys
+from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState, comp_decoder, state_from_hash
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 OPERATOR: dict[str, type[OperatorCommand]] = {
     "retry": OperatorRetry,
@@ -552,10 +551,10 @@ def cmd_dead_letters(ops: Ops) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from saga.recovery_wire import ToolDeclaration
-    from schemas.check import Problem, ToolSchemas, check_declaration
-    from schemas.recovery import RecoveryError, parse_recovery
-    from workers.sessions import SessionError, SessionPool
+    from mcp_saga.runtime.recovery_wire import ToolDeclaration
+    from mcp_saga.runtime.sessions import SessionError, SessionPool
+    from mcp_saga.schemas.check import Problem, ToolSchemas, check_declaration
+    from mcp_saga.schemas.recovery import RecoveryError, parse_recovery
 
     config, name = config_of(args), args.server
     server = config.servers.get(name)

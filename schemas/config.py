@@ -12,9 +12,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+from mcp_saga.schemas.recovery import Recovery
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from schemas.recovery import Recovery
 
 
 class ConfigError(ValueError):

@@ -1,6 +1,6 @@
 """The RQ side of dispatch: how a compensation becomes a job on queue `saga`.
 
-The coordinator calls `enqueue`; workers run `workers.job.compensate`. Job ids come from the
+The coordinator calls `enqueue`; workers run `mcp_saga.workers.job.compensate`. Job ids come from the
 compensation's idempotency key and dispatch number, and enqueueing is `unique`, so a coordinator
 that crashed after its state transition and replays the event cannot queue the same dispatch
 twice (RQ would otherwise overwrite the job and run it twice).
@@ -11,14 +11,13 @@ from __future__ import annotations
 import random
 
 import msgspec
+from mcp_saga.schemas.config import WorkerSettings
+from mcp_saga.schemas.records import CompensationJob
 from redis import Redis
 from rq import Queue, Retry
 from rq.exceptions import DuplicateJobError
 
-from saga.config import WorkerSettings
-from schemas.records import CompensationJob
-
-JOB_FUNCTION = "workers.job.compensate"
+JOB_FUNCTION = "mcp_saga.workers.job.compensate"
 
 
 def backoff_intervals(settings: WorkerSettings, rng: random.Random | None = None) -> list[int]:

@@ -24,11 +24,10 @@ import anyio
 import httpx2
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
+from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
+from mcp_saga.schemas.config import ServerConfig
 from mcp_types import CONNECTION_CLOSED, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND
-
-from saga.config import ServerConfig
-from saga.logs import get_logger
-from saga.recovery_wire import ToolDeclaration, read_tool_declarations
 
 log = get_logger("sessions")
 T = TypeVar("T")

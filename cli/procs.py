@@ -44,7 +44,7 @@ def saga_process(
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "saga.cli", *args],
+            [sys.executable, "-m", "mcp_saga.cli", *args],
             cwd=REPO,
             env=full_env,
             stdin=subprocess.DEVNULL,

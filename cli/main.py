@@ -3,30 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from saga.config import Config, ConfigError, load_config
-from saga.logs import configure
+from mcp_saga.cli import demo, ops
+from mcp_saga.cli.args import CliError, config_of, redis_url
+from mcp_saga.runtime.logs import configure
+from mcp_saga.schemas.config import ConfigError
 
 Command = Callable[[argparse.Namespace], int]
-
-
-class CliError(Exception):
-    """A one-line message for the user; the command exits non-zero."""
-
-
-def redis_url(args: argparse.Namespace) -> str:
-    url = getattr(args, "redis", None) or os.environ.get("REDIS_URL")
-    if not url:
-        raise CliError("no Redis: pass --redis URL or set REDIS_URL")
-    return url
-
-
-def config_of(args: argparse.Namespace) -> Config:
-    return load_config(getattr(args, "config", None))
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -35,8 +21,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: early.append(signum))
     import redis
-
-    from coordinator.consumer import Coordinator
+    from mcp_saga.coordinator.consumer import Coordinator
 
     config = config_of(args)
     coordinator = Coordinator(redis.Redis.from_url(redis_url(args)), config, name=args.name)
@@ -44,7 +29,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from workers.process import run_worker
+    from mcp_saga.workers.process import run_worker
 
     config = config_of(args)
     if not config.servers:
@@ -72,21 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.set_defaults(run=cmd_worker)
 
-    for register in _extensions():
-        register(sub, common)
+    for module in (ops, demo):
+        module.register(sub, common)
     return parser
-
-
-def _extensions() -> list[Callable[..., None]]:
-    """Subcommands defined next to the code they drive (ops, demo)."""
-    registered = []
-    for module in ("saga.ops", "saga.demo"):
-        try:
-            registered.append(__import__(module, fromlist=["register"]).register)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-    return registered
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import mcp_types
+from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 from pydantic import BaseModel, TypeAdapter
-
-from schemas.recovery import Recovery, RecoveryError, parse_recovery
 
 if TYPE_CHECKING:
     from mcp import Client

@@ -1,0 +1,1 @@
+"""The `saga` command: process entry points, operator commands, rendering and the demo (the top layer)."""
