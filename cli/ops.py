@@ -13,9 +13,7 @@ import functools
 import json
 import logging
 import os
-import re
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,32 +22,14 @@ import msgspec
 import redis
 from mcp_saga.cli import render
 from mcp_saga.cli.args import CliError, config_of, redis_url
-from mcp_saga.coordinator.machine import RETRYABLE, operator_refusal
+from mcp_saga.runtime import operators
+from mcp_saga.runtime.reader import Reader, decode_fields, state_fields
 from mcp_saga.schemas.config import Config
-from mcp_saga.schemas.events import (
-    STEP_ID,
-    WORKFLOW_ID,
-    OperatorApprove,
-    OperatorCommand,
-    OperatorResolve,
-    OperatorRetry,
-    OperatorSkip,
-    entry_fields,
-)
-from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, STATUSES, Keys
-from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState, comp_decoder, state_from_hash
+from mcp_saga.schemas.keys import STATUSES, Keys
+from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-OPERATOR: dict[str, type[OperatorCommand]] = {
-    "retry": OperatorRetry,
-    "resolve": OperatorResolve,
-    "skip": OperatorSkip,
-    "approve": OperatorApprove,
-}
-# Keep in step with the caps of `OperatorCommand`, so an over-long value is refused here, not dead-lettered.
-MAX_BY, MAX_NOTE = 200, 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +38,10 @@ class Ops:
     r: redis.Redis
     keys: Keys
     config: Config
+
+    @property
+    def reader(self) -> Reader:
+        return Reader(self.r, self.keys)
 
 
 def _with_redis(fn: Callable[[Ops], int]) -> Callable[[argparse.Namespace], int]:
@@ -80,37 +64,15 @@ def _with_redis(fn: Callable[[Ops], int]) -> Callable[[argparse.Namespace], int]
 # Reading a workflow ------------------------------------------------------------------------
 
 
-def _check_workflow_id(workflow: str) -> None:
-    if not re.fullmatch(WORKFLOW_ID, workflow):
-        raise CliError(f"invalid workflow id {workflow[:80]!r} (must match {WORKFLOW_ID})")
-
-
 def load_workflow(ops: Ops, workflow: str) -> tuple[WorkflowState, dict[str, Compensation]]:
-    _check_workflow_id(workflow)
-    pipe = ops.r.pipeline(transaction=False)
-    pipe.hgetall(ops.keys.state(workflow))
-    pipe.hgetall(ops.keys.comp(workflow))
-    raw_state, raw_comps = pipe.execute()
-    if not raw_state:
-        raise CliError(f"no workflow {workflow!r} (never seen by a coordinator, or expired)")
-    comps = {k.decode(): comp_decoder.decode(v) for k, v in raw_comps.items()}
-    return state_from_hash(raw_state), dict(sorted(comps.items(), key=lambda kv: kv[1].seq))
-
-
-def state_dict(state: WorkflowState) -> dict[str, Any]:
-    """Every field under its hash name; `to_builtins` would drop defaults such as status `running`."""
-    return {f.encode_name: getattr(state, f.name) for f in msgspec.structs.fields(state)}
-
-
-def _decode(fields: dict[bytes, bytes]) -> dict[str, str]:
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()}
-
-
-def _json_or_text(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace")
+        operators.check_workflow_id(workflow)
+    except operators.CommandRefused as exc:
+        raise CliError(str(exc)) from None
+    loaded = ops.reader.records(workflow)
+    if loaded is None:
+        raise CliError(f"no workflow {workflow!r} (never seen by a coordinator, or expired)")
+    return loaded
 
 
 def _result_summary(result: Any) -> str:
@@ -126,25 +88,23 @@ def _result_summary(result: Any) -> str:
 
 def cmd_inspect(ops: Ops) -> int:
     workflow = ops.args.workflow
-    state, comps = load_workflow(ops, workflow)
-    pipe = ops.r.pipeline(transaction=False)
-    pipe.ttl(ops.keys.state(workflow))
-    pipe.lrange(ops.keys.steps(workflow), 0, -1)
-    if ops.args.last:
-        pipe.xrevrange(ops.keys.log(workflow), count=ops.args.last)
-    else:
-        pipe.xrange(ops.keys.log(workflow))
-    ttl, raw_steps, raw_log = pipe.execute()
-    steps = [_json_or_text(s) for s in raw_steps]
-    log = [{"id": i.decode(), **_decode(f)} for i, f in raw_log]
-    if ops.args.last:
-        log.reverse()
+    load_workflow(ops, workflow)  # the id check and "no workflow" message
+    snapshot = ops.reader.snapshot(workflow, last=ops.args.last)
+    if snapshot is None:
+        raise CliError(f"workflow {workflow!r} expired just now")
+    state, comps, steps, log, ttl = (
+        snapshot.state,
+        snapshot.compensations,
+        snapshot.steps,
+        snapshot.timeline,
+        snapshot.expires_in,
+    )
     if ops.args.json:
         render.emit_json(
             {
                 "workflow": workflow,
-                "state": state_dict(state),
-                "expiresIn": ttl if ttl >= 0 else None,
+                "state": state_fields(state),
+                "expiresIn": ttl,
                 "steps": steps,
                 "compensations": [msgspec.to_builtins(c) for c in comps.values()],
                 "timeline": log,
@@ -176,7 +136,7 @@ def cmd_inspect(ops: Ops) -> int:
                 ("created", render.when(state.created_at)),
                 ("updated", render.when(state.updated_at)),
                 ("version", state.version),
-                ("expires in", f"{ttl / 3600:.1f} h" if ttl >= 0 else ""),
+                ("expires in", f"{ttl / 3600:.1f} h" if ttl is not None else ""),
             ],
         )
     )
@@ -242,28 +202,16 @@ def cmd_inspect(ops: Ops) -> int:
 
 def cmd_list(ops: Ops) -> int:
     limit = ops.args.limit
-    statuses = [ops.args.status] if ops.args.status else list(STATUSES)
-    pipe = ops.r.pipeline(transaction=False)
-    for status in statuses:
-        pipe.zrevrange(ops.keys.index(status), 0, limit - 1, withscores=True)
-    newest = sorted(((score, wf.decode()) for page in pipe.execute() for wf, score in page), reverse=True)
-    names = list(dict.fromkeys(wf for _, wf in newest))[:limit]
-    for workflow in names:
-        pipe.hgetall(ops.keys.state(workflow))
-    rows = []
-    for workflow, raw in zip(names, pipe.execute(), strict=True):
-        if not raw:  # expired; the coordinator's sweep drops it from the index later
-            continue
-        state = state_from_hash(raw)
-        rows.append(
-            {
-                "workflow": workflow,
-                "status": state.status,
-                "steps": state.steps,
-                "updatedAt": state.updated_at,
-                "attention": state.attention,
-            }
-        )
+    rows = [
+        {
+            "workflow": workflow,
+            "status": state.status,
+            "steps": state.steps,
+            "updatedAt": state.updated_at,
+            "attention": state.attention,
+        }
+        for workflow, state in ops.reader.recent(ops.args.status, limit)
+    ]
     if ops.args.json:
         render.emit_json(rows)
         return 0
@@ -288,7 +236,7 @@ def cmd_watch(ops: Ops) -> int:
             for _, entries in ops.r.xread({stream: last}, count=100, block=1000) or ():
                 for entry_id, fields in entries:
                     last = entry_id.decode()
-                    outcome = _decode(fields)
+                    outcome = decode_fields(fields)
                     if ops.args.json:
                         print(json.dumps({"id": last, **outcome}), flush=True)
                     else:
@@ -313,66 +261,38 @@ def _operator(command: str) -> Callable[[Ops], int]:
         args, keys = ops.args, ops.keys
         workflow, step = args.workflow, args.step
         by = args.by or os.environ.get("USER") or os.environ.get("LOGNAME") or "operator"
-        note = args.note or ""
-        if len(by) > MAX_BY or not by.strip():
-            raise CliError(f"--by must be 1 to {MAX_BY} characters")
-        if len(note) > MAX_NOTE:
-            raise CliError(f"--note is {len(note)} characters; at most {MAX_NOTE}")
-        if step is not None and not re.fullmatch(STEP_ID, step):
-            raise CliError(f"invalid step id {step[:80]!r} (must match {STEP_ID})")
-        state, comps = load_workflow(ops, workflow)
-        if state.status not in UNWINDING:
-            raise CliError(
-                f"workflow {workflow!r} is {state.status}; operator commands apply only once it has failed "
-                f"({', '.join(sorted(UNWINDING))})"
-            )
-        if step is not None:
-            if step not in comps:
-                known = ", ".join(comps) or "none recorded"
-                raise CliError(f"workflow {workflow!r} has no step {step!r} (steps: {known})")
-            if (why := operator_refusal(command, comps[step])) is not None:
-                raise CliError(why)
-            targets = [step]
-        else:  # only retry may omit --step: it then retries every retryable step
-            targets = [s for s, c in comps.items() if operator_refusal(command, c) is None]
-            if not targets:
-                raise CliError(
-                    f"nothing to retry in {workflow!r}: no step is {', '.join(RETRYABLE)} with a usable compensation"
-                )
-
-        marks = (_last_id(ops.r, keys.log(workflow)), _last_id(ops.r, keys.dead_letter))
-        payload = OPERATOR[command](step=step, by=by, note=note)
-        sent = ops.r.xadd(keys.events, entry_fields(workflow, payload)).decode()
+        try:
+            prepared = operators.prepare(ops.reader, workflow, command, step, by, args.note or "")
+            sent = operators.send(ops.r, keys, prepared)
+        except operators.CommandRefused as exc:
+            raise CliError(str(exc)) from None
+        payload, targets = prepared.payload, prepared.targets
         report: dict[str, Any] = {
             "sent": payload.TYPE,
             "workflow": workflow,
             "step": step,
             "steps": targets,
             "by": by,
-            "note": note,
-            "id": sent,
+            "note": payload.note,
+            "id": sent.id,
         }
-        hint = None
-        if command == "approve" and comps[targets[0]].status in ("failed", "unrecoverable"):
-            hint = f"the approval applies to its next dispatch: `saga retry {workflow} --step {step}`"
-        elif command == "retry" and (
-            held := [s for s in targets if comps[s].status == "awaiting-approval" and not comps[s].approved]
-        ):
-            hint = f"the policy held {', '.join(held)} for approval; unless it changed, `saga approve` instead"
         if not args.json:
             print(
                 f"sent {payload.TYPE} for {workflow}"
                 + (f" step {step}" if step else f" ({', '.join(targets)})")
-                + f" by {by} as {keys.events} entry {sent}"
+                + f" by {by} as {keys.events} entry {sent.id}"
             )
-            if hint:
-                print(f"note: {hint}")
+            if prepared.hint:
+                print(f"note: {prepared.hint}")
         if args.wait is None:
             if args.json:
                 render.emit_json(report)
             return 0
 
-        outcome = _await_applied(ops, workflow, payload, sent, marks, args.wait)
+        try:
+            outcome = operators.await_applied(ops.r, keys, sent, args.wait)
+        except operators.CommandRefused as exc:
+            raise CliError(str(exc)) from None
         report["outcome"] = outcome
         if outcome != "pending":
             state, comps = load_workflow(ops, workflow)
@@ -389,65 +309,10 @@ def _operator(command: str) -> Callable[[Ops], int]:
             why = f"not taken within {args.wait:g}s (is a coordinator running?)"
         else:
             why = "taken, but it changed nothing: the records changed meanwhile"
-        print(f"saga {command}: sent as {sent}, {why}", file=sys.stderr)
+        print(f"saga {command}: sent as {sent.id}, {why}", file=sys.stderr)
         return 1
 
     return run
-
-
-def _last_id(r: redis.Redis, stream: str) -> str | None:
-    newest = r.xrevrange(stream, count=1)
-    return newest[0][0].decode() if newest else None
-
-
-def _id(entry_id: str | bytes) -> tuple[int, int]:
-    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _taken(ops: Ops, sent: str) -> bool:
-    """Whether the coordinators' group has read and acknowledged the entry (so its effects are written)."""
-    try:
-        groups = ops.r.xinfo_groups(ops.keys.events)
-    except ResponseError:
-        return False
-    group = next((g for g in groups if render.text(g["name"]) == ops.keys.group), None)
-    if group is None or _id(group["last-delivered-id"]) < _id(sent):
-        return False
-    return not ops.r.xpending_range(ops.keys.events, ops.keys.group, min=sent, max=sent, count=1)
-
-
-def _await_applied(
-    ops: Ops, workflow: str, payload: OperatorCommand, sent: str, marks: tuple[str | None, str | None], timeout: float
-) -> str:
-    """Follow one command until the coordinator took it: "applied", "unchanged", or "pending" at the deadline.
-
-    The coordinator commits a command's timeline entry (or its dead letter) before it acknowledges
-    the event, so once the entry is acknowledged, finding neither means the command was a no-op
-    (another command or a worker's report got there first). Polling, not XREAD BLOCK, because the
-    answer may be in either of two streams or in the consumer group.
-    """
-    log_mark, dead_mark = marks
-    want = {b"type": payload.TYPE.encode(), b"by": payload.by.encode()}
-    if payload.step is not None:
-        want[b"step"] = payload.step.encode()
-    deadline = time.monotonic() + timeout
-    while True:
-        taken = _taken(ops, sent)
-        for entry_id, fields in ops.r.xrange(ops.keys.log(workflow), min=f"({log_mark}" if log_mark else "-"):
-            log_mark = entry_id.decode()
-            if all(fields.get(k) == v for k, v in want.items()):
-                return "applied"
-        for entry_id, fields in ops.r.xrange(ops.keys.dead_letter, min=f"({dead_mark}" if dead_mark else "-"):
-            dead_mark = entry_id.decode()
-            if fields.get(DEAD_ID.encode(), b"").decode() == sent:
-                reason = fields.get(DEAD_REASON.encode(), b"").decode(errors="replace")
-                raise CliError(f"sent as {sent}, but the coordinator rejected it: {reason}")
-        if taken:
-            return "unchanged"
-        if time.monotonic() >= deadline:
-            return "pending"
-        time.sleep(0.1)
 
 
 # The service as a whole -----------------------------------------------------------------------
@@ -457,12 +322,11 @@ def cmd_stats(ops: Ops) -> int:
     from rq import Queue
 
     keys = ops.keys
+    counts = ops.reader.counts()
     pipe = ops.r.pipeline(transaction=False)
-    for status in STATUSES:
-        pipe.zcard(keys.index(status))
     for stream in (keys.events, keys.outcomes, keys.dead_letter):
         pipe.xlen(stream)
-    *counts, events, outcomes, dead = pipe.execute()
+    events, outcomes, dead = pipe.execute()
     try:
         groups = [
             {
@@ -483,7 +347,7 @@ def cmd_stats(ops: Ops) -> int:
         for name in ("started", "scheduled", "deferred", "failed")
     }
     stats = {
-        "workflows": dict(zip(STATUSES, counts, strict=True)),
+        "workflows": counts,
         "queue": {"name": keys.queue, **depth},
         "events": {"length": events, "groups": groups},
         "outcomes": outcomes,
@@ -512,18 +376,10 @@ def cmd_stats(ops: Ops) -> int:
 
 
 def cmd_dead_letters(ops: Ops) -> int:
-    entries = []
-    for entry_id, fields in ops.r.xrevrange(ops.keys.dead_letter, count=ops.args.limit):
-        data = _decode(fields)
-        entries.append(
-            {
-                "id": entry_id.decode(),
-                "at": data.pop(DEAD_AT, None),
-                "reason": data.pop(DEAD_REASON, ""),
-                "originalId": data.pop(DEAD_ID, None),
-                "fields": data,
-            }
-        )
+    entries = [
+        {"id": d.id, "at": d.at, "reason": d.reason, "originalId": d.original_id, "fields": d.fields}
+        for d in ops.reader.dead_letters(ops.args.limit)
+    ]
     if ops.args.json:
         render.emit_json(entries)
         return 0

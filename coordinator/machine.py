@@ -28,6 +28,7 @@ from mcp_saga.schemas.events import (
     WorkflowCompleted,
     WorkflowFailed,
 )
+from mcp_saga.schemas.operators import operator_refusal
 from mcp_saga.schemas.records import IN_FLIGHT, SETTLED, UNWINDING, Compensation, CompensationJob, WorkflowState
 
 
@@ -38,37 +39,6 @@ def timeline_entry(kind: str, now: float, step: str | None = None, **detail: obj
         entry["step"] = step
     entry.update({k: str(v) for k, v in detail.items() if v is not None and v != ""})
     return entry
-
-
-RETRYABLE = ("failed", "awaiting-approval", "unrecoverable")
-# Record statuses in which resolve / skip would change nothing.
-FINAL_FOR = {"resolve": ("succeeded", "resolved"), "skip": ("succeeded", "resolved", "skipped")}
-
-
-def operator_refusal(command: str, comp: Compensation) -> str | None:
-    """Why an operator command (retry, resolve, skip, approve) would change nothing for this record.
-
-    One rule set for the coordinator, which applies the command, and `saga`, which refuses to send
-    a command that would be ignored and says why.
-    """
-    step, status = comp.step, comp.status
-    if command == "retry":
-        if status not in RETRYABLE:
-            return f"step {step!r} is {status}; retry applies to a failed, awaiting-approval or unrecoverable step"
-        if comp.operation_id is None or comp.arguments is None:
-            why = f" ({comp.reason})" if comp.reason else ""
-            return f"step {step!r} has no usable compensation to retry{why}; resolve or skip it instead"
-    elif status in FINAL_FOR.get(command, ()):
-        return f"step {step!r} is already {status}"
-    elif command == "approve":
-        if comp.approved:
-            return f"step {step!r} is already approved"
-        if comp.operation_id is None:
-            why = f" ({comp.reason})" if comp.reason else ""
-            return f"step {step!r} has no compensating operation to approve{why}"
-        if status in ("succeeded", "skipped", "resolved"):
-            return f"step {step!r} is {status}; there is nothing left to approve"
-    return None
 
 
 class Rejected(Exception):

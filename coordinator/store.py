@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from importlib import resources
 
 from mcp_saga.coordinator.machine import WorkflowView
+from mcp_saga.runtime.reader import decode_records
 from mcp_saga.schemas.config import CoordinatorSettings
 from mcp_saga.schemas.keys import STATUSES, Keys
 from mcp_saga.schemas.records import Compensation, comp_decoder, comp_encoder, state_from_hash
@@ -20,7 +21,7 @@ LOG_MAXLEN = 10_000
 
 
 def load_script(name: str) -> str:
-    return resources.files("coordinator").joinpath("lua", name).read_text()
+    return resources.files(__package__).joinpath("lua", name).read_text()
 
 
 class Store:
@@ -47,7 +48,7 @@ class Store:
             state = state_from_hash(next(replies))
             records = next(replies)
             if full:
-                comps = {k.decode(): comp_decoder.decode(v) for k, v in records.items()}
+                comps = decode_records(records)
             else:
                 comps = {s: comp_decoder.decode(v) for s, v in zip(steps, records, strict=False) if v is not None}
             views[workflow] = WorkflowView(workflow, state, comps, full)

@@ -33,7 +33,9 @@ _STEP_RE = re.compile(STEP_ID)
 
 StepId = Annotated[str, Meta(pattern=STEP_ID)]
 Name = Annotated[str, Meta(min_length=1, max_length=128)]
-Text = Annotated[str, Meta(max_length=8192)]
+TEXT_MAX = 8192  # characters of a free-text field (reasons, errors, notes)
+BY_MAX = 200  # characters of an operator's name
+Text = Annotated[str, Meta(max_length=TEXT_MAX)]
 
 
 class Wire(Struct, rename="camel", omit_defaults=True, forbid_unknown_fields=False, frozen=True):
@@ -108,7 +110,7 @@ class CompensationRefused(Report):
 
 class OperatorCommand(Wire):
     step: StepId | None = None
-    by: Annotated[str, Meta(max_length=200)] = "operator"
+    by: Annotated[str, Meta(min_length=1, max_length=BY_MAX)] = "operator"
     note: Text = ""
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mcp_saga.schemas.records import WORKFLOW_STATUSES
+
 # Fields a dead-letter entry adds beside the original entry's own (prefixed so they never collide).
 DEAD_REASON, DEAD_ID, DEAD_AT = "dead.reason", "dead.id", "dead.at"
 
-STATUSES = ("running", "failed", "compensating", "compensated", "needs-attention", "completed")
+STATUSES = WORKFLOW_STATUSES  # one index per workflow status
 
 
 @dataclass(frozen=True, slots=True)

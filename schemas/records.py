@@ -9,7 +9,7 @@ the CLI alike.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 from msgspec import Struct
@@ -26,6 +26,8 @@ CompStatus = Literal[
     "awaiting-approval",
     "resolved",
 ]
+WORKFLOW_STATUSES: tuple[str, ...] = get_args(WorkflowStatus)
+COMP_STATUSES: tuple[str, ...] = get_args(CompStatus)
 # A compensation in one of these states needs nothing more from the coordinator.
 SETTLED: frozenset[str] = frozenset({"succeeded", "skipped", "unrecoverable", "resolved"})
 IN_FLIGHT: frozenset[str] = frozenset({"queued", "running"})

@@ -358,7 +358,7 @@ def test_approve_releases_a_held_compensation(r: redis.Redis, coord: Coordinator
         (("skip", "order-1", "--step", "bad step"), "invalid step id 'bad step'"),
         (("approve", "order-1", "--step", "ghost"), "has no step 'ghost'"),
         (("retry", "order-2"), "workflow 'order-2' is running; operator commands apply only once it has failed"),
-        (("retry", "order-1", "--by", "x" * 201), "--by must be 1 to 200 characters"),
+        (("retry", "order-1", "--by", "x" * 201), "name must be 1 to 200 characters"),
     ],
 )
 def test_pointless_commands_are_refused_with_the_reason(

@@ -54,6 +54,8 @@ def test_sdk_imports_in_a_project_with_its_own_schemas_workers_and_saga(installe
     script = (
         "import schemas, mcp_saga, mcp_saga.coordinator.consumer, mcp_saga.workers.job, mcp_saga.cli.main\n"
         "assert schemas.Item, 'the project schemas module still works'\n"
+        "from mcp_saga.coordinator.store import load_script\n"
+        "assert 'redis.call' in load_script('apply.lua'), 'the Lua scripts load from the package'\n"
         "print(mcp_saga.__file__)\n"
         "print(mcp_saga.workflow.__module__)\n"
     )

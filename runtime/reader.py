@@ -1,0 +1,144 @@
+"""The one reader of a workflow's keys, for everything that looks without writing.
+
+The coordinator's store, the `saga` command, the web console, the chaos run and the tests all read
+`saga:{wf}:state`, `:comp`, `:steps` and `:log` through here, so what a record or a timeline entry
+looks like on the way out of Redis is decided once.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, STATUSES, Keys
+from mcp_saga.schemas.records import Compensation, WorkflowState, comp_decoder, state_from_hash
+from redis import Redis
+
+
+class WorkflowSnapshot(msgspec.Struct, frozen=True):
+    """Everything Redis holds about one workflow, decoded."""
+
+    workflow: str
+    state: WorkflowState
+    # step id -> record, in unwinding order's reverse (completion order, by `seq`).
+    compensations: dict[str, Compensation]
+    # The step stack as recorded (each the step-completed data); text where an entry is not JSON.
+    steps: list[Any]
+    # Timeline entries, oldest first, each with its stream `id`.
+    timeline: list[dict[str, str]]
+    # Seconds until the keys expire; None when they do not.
+    expires_in: int | None
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    id: str
+    at: str | None
+    reason: str
+    original_id: str | None
+    fields: dict[str, str]
+
+
+def decode_records(raw: dict[bytes, bytes]) -> dict[str, Compensation]:
+    """The `:comp` hash, in completion order."""
+    comps = {k.decode(): comp_decoder.decode(v) for k, v in raw.items()}
+    return dict(sorted(comps.items(), key=lambda kv: kv[1].seq))
+
+
+def decode_fields(fields: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()}
+
+
+def state_fields(state: WorkflowState) -> dict[str, Any]:
+    """Every field under its hash name; `to_builtins` would drop defaults such as status `running`."""
+    return {f.encode_name: getattr(state, f.name) for f in msgspec.structs.fields(state)}
+
+
+def _json_or_text(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+class Reader:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    def records(self, workflow: str) -> tuple[WorkflowState, dict[str, Compensation]] | None:
+        """State and compensation records; None when the workflow is unknown or expired."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.state(workflow))
+        pipe.hgetall(self.keys.comp(workflow))
+        raw_state, raw_comps = pipe.execute()
+        if not raw_state:
+            return None
+        return state_from_hash(raw_state), decode_records(raw_comps)
+
+    def snapshot(self, workflow: str, *, last: int | None = None) -> WorkflowSnapshot | None:
+        """The whole workflow; `last` keeps only the newest N timeline entries."""
+        keys = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(keys.state(workflow))
+        pipe.hgetall(keys.comp(workflow))
+        pipe.ttl(keys.state(workflow))
+        pipe.lrange(keys.steps(workflow), 0, -1)
+        if last:
+            pipe.xrevrange(keys.log(workflow), count=last)
+        else:
+            pipe.xrange(keys.log(workflow))
+        raw_state, raw_comps, ttl, raw_steps, raw_log = pipe.execute()
+        if not raw_state:
+            return None
+        timeline = [{"id": i.decode(), **decode_fields(f)} for i, f in raw_log]
+        if last:
+            timeline.reverse()
+        return WorkflowSnapshot(
+            workflow=workflow,
+            state=state_from_hash(raw_state),
+            compensations=decode_records(raw_comps),
+            steps=[_json_or_text(s) for s in raw_steps],
+            timeline=timeline,
+            expires_in=ttl if ttl >= 0 else None,
+        )
+
+    def timeline_after(self, workflow: str, after: str | None) -> list[dict[str, str]]:
+        """Timeline entries newer than stream id `after` (all when None): what a live view polls."""
+        entries = self.redis.xrange(self.keys.log(workflow), min=f"({after}" if after else "-")
+        return [{"id": i.decode(), **decode_fields(f)} for i, f in entries]
+
+    def counts(self) -> dict[str, int]:
+        """Workflows per status, from the status indexes."""
+        pipe = self.redis.pipeline(transaction=False)
+        for status in STATUSES:
+            pipe.zcard(self.keys.index(status))
+        return dict(zip(STATUSES, pipe.execute(), strict=True))
+
+    def recent(self, status: str | None = None, limit: int = 50) -> list[tuple[str, WorkflowState]]:
+        """The newest workflows (in one status, or any), newest first; expired ones are left out."""
+        statuses = [status] if status else list(STATUSES)
+        pipe = self.redis.pipeline(transaction=False)
+        for s in statuses:
+            pipe.zrevrange(self.keys.index(s), 0, limit - 1, withscores=True)
+        newest = sorted(((score, wf.decode()) for page in pipe.execute() for wf, score in page), reverse=True)
+        names = list(dict.fromkeys(wf for _, wf in newest))[:limit]
+        for workflow in names:
+            pipe.hgetall(self.keys.state(workflow))
+        return [(wf, state_from_hash(raw)) for wf, raw in zip(names, pipe.execute(), strict=True) if raw]
+
+    def dead_letters(self, limit: int = 50) -> list[DeadLetter]:
+        """Newest first."""
+        letters = []
+        for entry_id, fields in self.redis.xrevrange(self.keys.dead_letter, count=limit):
+            data = decode_fields(fields)
+            letters.append(
+                DeadLetter(
+                    id=entry_id.decode(),
+                    at=data.pop(DEAD_AT, None),
+                    reason=data.pop(DEAD_REASON, ""),
+                    original_id=data.pop(DEAD_ID, None),
+                    fields=data,
+                )
+            )
+        return letters
