@@ -112,12 +112,32 @@ class WorkerSettings(_Strict):
     job_timeout: int = Field(default=300, ge=1)
 
 
+class ConsoleSettings(_Strict):
+    """`saga console`: where it listens and how much it reads per page.
+
+    Credentials are never in the file: SAGA_CONSOLE_TOKEN (bearer) and SAGA_CONSOLE_USERS (basic).
+    """
+
+    # Loopback unless the operator decides otherwise (behind a TLS proxy, say).
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8780, ge=1, le=65535)
+    # Let anyone who reaches the port look; acting always needs credentials.
+    read_open: bool = False
+    page_size: int = Field(default=50, ge=1, le=1000)
+    # The newest N timeline entries a workflow page shows and draws.
+    timeline_last: int = Field(default=500, ge=10, le=10_000)
+    poll_seconds: float = Field(default=1.0, ge=0.2, le=60)
+    # Seconds an action waits for the coordinator to apply it before the page says "pending".
+    action_wait: float = Field(default=3.0, ge=0, le=30)
+
+
 class Config(_Strict):
     prefix: str = Field(default="saga", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
     servers: dict[str, ServerConfig] = Field(default_factory=dict)
     policy: Policy = Field(default_factory=Policy)
     coordinator: CoordinatorSettings = Field(default_factory=CoordinatorSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    console: ConsoleSettings = Field(default_factory=ConsoleSettings)
 
     @field_validator("servers")
     @classmethod
