@@ -157,7 +157,8 @@ def timeline_rows(entries: list[dict[str, str]]) -> list[dict[str, Any]]:
 
 
 def picture(snapshot: WorkflowSnapshot) -> dict[str, Any]:
-    """Geometry for the SVG timeline: one lane for the forward run and the failure, one per compensation.
+    """Geometry for the SVG timeline: one lane for the workflow (its steps, the failure, status changes), one per
+    compensation.
 
     A compensation attempt is a bar ending at its report and as long as the worker measured it;
     dispatches and operator commands are marks on their step's lane.
@@ -168,7 +169,6 @@ def picture(snapshot: WorkflowSnapshot) -> dict[str, Any]:
         if at is not None:
             forward.append((at, "step", f"{s.get('step')}: {s.get('server')}:{s.get('tool')} completed"))
     lanes: dict[str, list[dict[str, Any]]] = {step: [] for step in reversed(snapshot.compensations)}
-    marks: list[tuple[float, str, str]] = []
     times = [t for t, _, _ in forward]
     for entry in snapshot.timeline:
         at = _seconds(entry.get("at"))
@@ -180,7 +180,8 @@ def picture(snapshot: WorkflowSnapshot) -> dict[str, Any]:
             forward.append((at, "failure", f"workflow failed: {entry.get('reason', '')} {entry.get('error', '')}"))
             continue
         if step is None or step not in lanes:
-            marks.append((at, kind, kind))
+            detail = entry.get("status") or entry.get("by") or entry.get("reason") or ""
+            forward.append((at, kind, f"{kind}: {detail}" if detail else kind))
             continue
         if kind in ATTEMPT_ENDS:
             duration = _float(entry.get("duration_ms"))
@@ -207,7 +208,7 @@ def picture(snapshot: WorkflowSnapshot) -> dict[str, Any]:
         return {"x": left, "w": max(3.0, x(end) - left) if end is not None else 0, "kind": kind, "label": label}
 
     drawn = [
-        {"name": "forward run", "status": None, "parts": [item(t, None, k, label) for t, k, label in sorted(forward)]}
+        {"name": "workflow", "status": None, "parts": [item(t, None, k, label) for t, k, label in sorted(forward)]}
     ]
     drawn += [
         {
@@ -217,8 +218,6 @@ def picture(snapshot: WorkflowSnapshot) -> dict[str, Any]:
         }
         for step, items in lanes.items()
     ]
-    if marks:
-        drawn.append({"name": "workflow", "status": None, "parts": [item(t, None, k, label) for t, k, label in marks]})
     for n, lane in enumerate(drawn):
         lane["y"] = 20 + n * LANE
     ticks = [{"x": x(t0 + span * f), "label": _span(span * f)} for f in (0, 0.25, 0.5, 0.75, 1)]
