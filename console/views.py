@@ -23,7 +23,7 @@ ATTEMPT_ENDS = {
     "compensation-attempt-failed": "retrying",
     "compensation-refused": "refused",
 }
-WIDTH, LABEL, LANE = 960, 150, 30
+WIDTH, LABEL, LANE = 1200, 150, 34
 
 
 def when(ts: float | str | None) -> str:
@@ -163,13 +163,14 @@ def picture(snapshot: WorkflowSnapshot) -> dict[str, Any]:
     A compensation attempt is a bar ending at its report and as long as the worker measured it;
     dispatches and operator commands are marks on their step's lane.
     """
-    forward: list[tuple[float, str, str]] = []
+    # (time, kind, tooltip, text drawn beside the mark)
+    forward: list[tuple[float, str, str, str]] = []
     for s in snapshot.steps:
         at = _seconds(s.get("completedAt")) if isinstance(s, dict) else None
         if at is not None:
-            forward.append((at, "step", f"{s.get('step')}: {s.get('server')}:{s.get('tool')} completed"))
+            forward.append((at, "step", f"{s.get('step')}: {s.get('server')}:{s.get('tool')} completed", ""))
     lanes: dict[str, list[dict[str, Any]]] = {step: [] for step in reversed(snapshot.compensations)}
-    times = [t for t, _, _ in forward]
+    times = [t for t, *_ in forward]
     for entry in snapshot.timeline:
         at = _seconds(entry.get("at"))
         if at is None:
@@ -177,11 +178,11 @@ def picture(snapshot: WorkflowSnapshot) -> dict[str, Any]:
         times.append(at)
         kind, step = entry.get("type", "?"), entry.get("step")
         if kind == "workflow-failed":
-            forward.append((at, "failure", f"workflow failed: {entry.get('reason', '')} {entry.get('error', '')}"))
+            forward.append((at, "failure", f"workflow failed: {entry.get('reason', '')}", "failed"))
             continue
         if step is None or step not in lanes:
             detail = entry.get("status") or entry.get("by") or entry.get("reason") or ""
-            forward.append((at, kind, f"{kind}: {detail}" if detail else kind))
+            forward.append((at, kind, f"{kind}: {detail}" if detail else kind, ""))
             continue
         if kind in ATTEMPT_ENDS:
             duration = _float(entry.get("duration_ms"))
@@ -191,36 +192,44 @@ def picture(snapshot: WorkflowSnapshot) -> dict[str, Any]:
             label += f" after {duration:,.0f} ms" if duration is not None else ""
             if entry.get("error") or entry.get("reason"):
                 label += f": {_cut(entry.get('error') or entry.get('reason') or '', 200)}"
-            lanes[step].append({"start": start, "end": at, "kind": ATTEMPT_ENDS[kind], "label": label})
+            short = f"{duration:,.0f} ms" if duration is not None else ATTEMPT_ENDS[kind]
+            lanes[step].append({"start": start, "end": at, "kind": ATTEMPT_ENDS[kind], "label": label, "short": short})
         else:
             who = f" by {entry['by']}" if entry.get("by") else ""
-            lanes[step].append({"start": at, "end": None, "kind": kind, "label": f"{kind}{who}"})
+            short = f"{kind.removeprefix('operator-')}{who}" if kind.startswith("operator-") else ""
+            lanes[step].append({"start": at, "end": None, "kind": kind, "label": f"{kind}{who}", "short": short})
     if not times:
         return {"width": WIDTH, "height": LANE * 2, "lanes": [], "ticks": [], "label": LABEL}
     t0, t1 = min(times), max(times)
     span = max(t1 - t0, 0.001)
 
     def x(t: float) -> float:
-        return round(LABEL + (t - t0) / span * (WIDTH - LABEL - 20), 1)
+        return round(LABEL + (t - t0) / span * (WIDTH - LABEL - 90), 1)
 
-    def item(start: float, end: float | None, kind: str, label: str) -> dict[str, Any]:
+    def item(start: float, end: float | None, kind: str, label: str, short: str) -> dict[str, Any]:
         left = x(start)
-        return {"x": left, "w": max(3.0, x(end) - left) if end is not None else 0, "kind": kind, "label": label}
+        width = max(3.0, x(end) - left) if end is not None else 0
+        return {"x": left, "w": width, "kind": kind, "label": label, "short": short}
 
-    drawn = [
-        {"name": "workflow", "status": None, "parts": [item(t, None, k, label) for t, k, label in sorted(forward)]}
-    ]
+    drawn = [{"name": "workflow", "status": None, "parts": [item(t, None, *rest) for t, *rest in sorted(forward)]}]
     drawn += [
         {
             "name": f"undo {step}",
             "status": snapshot.compensations[step].status,
-            "parts": [item(i["start"], i["end"], i["kind"], i["label"]) for i in items],
+            # Operator marks last, so a dispatch at the same instant does not hide who acted.
+            "parts": [
+                item(i["start"], i["end"], i["kind"], i["label"], i["short"])
+                for i in sorted(items, key=lambda i: i["kind"].startswith("operator-"))
+            ],
         }
         for step, items in lanes.items()
     ]
     for n, lane in enumerate(drawn):
         lane["y"] = 20 + n * LANE
-    ticks = [{"x": x(t0 + span * f), "label": _span(span * f)} for f in (0, 0.25, 0.5, 0.75, 1)]
+    # Offsets from the first timeline entry, as in the table of entries (forward steps come before it).
+    origin = _seconds(snapshot.timeline[0].get("at")) if snapshot.timeline else None
+    origin = t0 if origin is None else origin
+    ticks = [{"x": x(t0 + span * f), "label": _span(t0 + span * f - origin)} for f in (0, 0.25, 0.5, 0.75, 1)]
     return {"width": WIDTH, "height": 30 + len(drawn) * LANE, "lanes": drawn, "ticks": ticks, "label": LABEL}
 
 
@@ -267,7 +276,9 @@ def _float(value: str | None) -> float | None:
 
 
 def _span(seconds: float) -> str:
-    return f"+{seconds * 1000:,.0f} ms" if seconds < 10 else f"+{seconds:,.1f} s"
+    sign = "-" if seconds < 0 else "+"
+    seconds = abs(seconds)
+    return f"{sign}{seconds * 1000:,.0f} ms" if seconds < 10 else f"{sign}{seconds:,.1f} s"
 
 
 def _cut(text: str, limit: int) -> str:
