@@ -150,9 +150,7 @@ class Reader:
             pipe.zcard(self.keys.index(status))
         return dict(zip(STATUSES, pipe.execute(), strict=True))
 
-    def recent(
-        self, status: str | None = None, limit: int = 50, offset: int = 0
-    ) -> list[tuple[str, WorkflowState]]:
+    def recent(self, status: str | None = None, limit: int = 50, offset: int = 0) -> list[tuple[str, WorkflowState]]:
         """The newest workflows (in one status, or any), newest first, from `offset`; expired ones are left out.
 
         Across statuses each index is read up to `offset + limit`, so a deep page costs its depth.
