@@ -58,4 +58,5 @@ def test_configuration_reference_is_a_valid_config() -> None:
     defaults = parse_config({})
     # The reference shows the defaults: keep the two in step.
     assert config.coordinator == defaults.coordinator
+    assert config.console == defaults.console
     assert config.worker == defaults.worker
