@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
 from mcp_saga.coordinator.store import Store
+from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry
@@ -147,8 +148,7 @@ class Coordinator:
         groups, dead = self._decode(entries)
         created = self._record_fresh_steps(groups, now)
         committed, contended, conflicts = self._fold(groups, now, dead)
-        if os.environ.get("SAGA_TEST_CRASH_AFTER_COMMIT"):  # fault injection for the crash tests
-            os._exit(70)
+        fail_point("coordinator.after-commit")
         result.jobs = self._dispatch(committed, ensure=redelivered)
         unacked = {e.id for items in contended.values() for e, _ in items}
         ack = [i for i, _ in entries if i.decode() not in unacked]

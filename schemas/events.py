@@ -101,8 +101,9 @@ class CompensationFailed(Report):
 
 
 class CompensationRefused(Report):
-    TYPE: ClassVar[str] = "compensation-refused"
     """The trust checks or the policy stopped the call before it reached the server."""
+
+    TYPE: ClassVar[str] = "compensation-refused"
 
     status: Literal["awaiting-approval", "unrecoverable"] = "unrecoverable"
     reason: Text = ""
@@ -116,22 +117,18 @@ class OperatorCommand(Wire):
 
 class OperatorRetry(OperatorCommand):
     TYPE: ClassVar[str] = "operator-retry"
-    pass
 
 
 class OperatorResolve(OperatorCommand):
     TYPE: ClassVar[str] = "operator-resolve"
-    pass
 
 
 class OperatorSkip(OperatorCommand):
     TYPE: ClassVar[str] = "operator-skip"
-    pass
 
 
 class OperatorApprove(OperatorCommand):
     TYPE: ClassVar[str] = "operator-approve"
-    pass
 
 
 Payload = (
