@@ -31,7 +31,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from mcp import Client
-from mcp_saga.cli.procs import REPO, start_http_server, stdio_params, stop
+from mcp_saga.cli.procs import REPO, start_http_server, stdio_params, stop_all
 from mcp_saga.cli.redis_server import RedisServer, find_redis_server
 from mcp_saga.coordinator.queue import enqueue
 from mcp_saga.examples import TRIVIAL
@@ -109,7 +109,7 @@ def compensations_per_second(redis: Redis, url: str, config: Path, jobs: int, wo
         for proc in procs:
             proc.wait(300)
     finally:
-        stop(*procs)
+        stop_all(*procs)
     entries = redis.xrange(keys.events)
     kinds = {fields[b"type"].decode() for _, fields in entries}
     assert kinds == {"compensation-succeeded"} and len(entries) == jobs, (kinds, len(entries))

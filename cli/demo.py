@@ -152,8 +152,7 @@ class Demo:
 
     @contextlib.contextmanager
     def _saga_processes(self, config: Path) -> Iterator[None]:
-        from mcp_saga.cli.procs import saga_process
-        from mcp_saga.cli.procs import stop as stop_all
+        from mcp_saga.cli.procs import saga_process, stop_all
 
         procs = [
             saga_process("coordinator", redis_url=self.redis_url, config=config, log=self.workdir / "coordinator.log"),

@@ -111,7 +111,7 @@ class CompensationRefused(Report):
 
 class OperatorCommand(Wire):
     step: StepId | None = None
-    by: Annotated[str, Meta(min_length=1, max_length=BY_MAX)] = "operator"
+    by: Annotated[str, Meta(max_length=BY_MAX)] = "operator"
     note: Text = ""
 
 
