@@ -36,7 +36,8 @@ from mcp_saga.cli.redis_server import RedisServer, find_redis_server
 from mcp_saga.coordinator.queue import enqueue
 from mcp_saga.examples import TRIVIAL
 from mcp_saga.runtime.sessions import SessionPool
-from mcp_saga.schemas.config import ServerConfig, WorkerSettings
+from mcp_saga.schemas import config as model
+from mcp_saga.schemas.config import Config, ServerConfig, WorkerSettings
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.records import Compensation, CompensationJob, comp_encoder, idempotency_key
 from redis import Redis
@@ -148,10 +149,8 @@ def rows(
 
 
 def write_config(path: Path, target: str | None) -> None:
-    server_toml = f"url = {json.dumps(target)}" if target else (
-        f"command = {json.dumps([sys.executable, '-m', TRIVIAL])}\ncwd = {json.dumps(str(REPO))}"
-    )  # fmt: skip
-    path.write_text(f'prefix = "{PREFIX}"\n[servers.trivial]\n{server_toml}\n')
+    stdio = ServerConfig(command=[sys.executable, "-m", TRIVIAL], cwd=str(REPO))
+    model.write_config(Config(prefix=PREFIX, servers={"trivial": ServerConfig(url=target) if target else stdio}), path)
 
 
 def _server(url: str | None) -> ServerConfig:
