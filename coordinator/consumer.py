@@ -22,7 +22,7 @@ from mcp_saga.coordinator.store import Store
 from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.schemas.config import Config
-from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry
+from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry, stream_id
 from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, Keys
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -345,14 +345,9 @@ class Coordinator:
                 floor.append(_next_id(last.decode() if isinstance(last, bytes) else last))
         if not floor:
             return 0
-        return self.redis.xtrim(self.keys.events, minid=min(floor, key=_id_key), approximate=False)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
+        return self.redis.xtrim(self.keys.events, minid=min(floor, key=stream_id), approximate=False)
 
 
 def _next_id(entry_id: str) -> str:
-    ms, seq = _id_key(entry_id)
+    ms, seq = stream_id(entry_id)
     return f"{ms}-{seq + 1}"
