@@ -66,7 +66,7 @@ def _with_redis(fn: Callable[[Ops], int]) -> Callable[[argparse.Namespace], int]
 
 def load_workflow(ops: Ops, workflow: str) -> tuple[WorkflowState, dict[str, Compensation]]:
     try:
-        operators.check_workflow_id(workflow)
+        operators.check_ids(workflow)
     except operators.CommandRefused as exc:
         raise CliError(str(exc)) from None
     loaded = ops.reader.records(workflow)
