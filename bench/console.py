@@ -25,6 +25,7 @@ from pathlib import Path
 
 from mcp_saga.cli.procs import free_port, saga_process, stop, wait_until_accepting
 from mcp_saga.cli.redis_server import resolve_redis
+from mcp_saga.schemas.config import parse_config, write_config
 from redis import Redis
 
 from bench.coordinator import PREFIX, clean, coordinator_drain, workload
@@ -67,13 +68,11 @@ def poll(base: str, rate: float, token: str) -> None:
 
 
 def measure(url: str, workflows: int, steps: int, repeat: int, rates: tuple[float, ...] = (20, 100)) -> list[Row]:
-    from mcp_saga.schemas.config import parse_config
-
     redis = Redis.from_url(url)
     entries = workload(workflows, steps)
     config = parse_config({"prefix": PREFIX, "coordinator": {"block_ms": 5}})
     workdir = Path(tempfile.mkdtemp(prefix="bench-console-"))
-    (workdir / "saga.toml").write_text(f'prefix = "{PREFIX}"\n')
+    write_config(config, workdir / "saga.toml")
     port = free_port()
     console = saga_process(
         "console",

@@ -18,6 +18,7 @@ from mcp_saga.runtime import operators
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.reader import Reader
 from mcp_saga.schemas.config import ConsoleSettings
+from mcp_saga.schemas.events import check_workflow_id
 from mcp_saga.schemas.keys import STATUSES, Keys
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -232,12 +233,10 @@ class Console:
 
     @staticmethod
     def _workflow_id(request: Request) -> str:
-        workflow = request.path_params["workflow"]
         try:
-            operators.check_workflow_id(workflow)
-        except operators.CommandRefused as exc:
+            return check_workflow_id(request.path_params["workflow"])
+        except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
-        return workflow
 
 
 CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; frame-ancestors 'none'"

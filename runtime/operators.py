@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from mcp_saga.runtime.reader import Reader
+from mcp_saga.runtime.reader import Reader, text_of
 from mcp_saga.schemas.events import (
     BY_MAX,
     TEXT_MAX,
@@ -158,11 +158,7 @@ def _taken(redis: Redis, keys: Keys, sent: str) -> bool:
         groups = redis.xinfo_groups(keys.events)
     except ResponseError:
         return False
-    group = next((g for g in groups if _text(g["name"]) == keys.group), None)
+    group = next((g for g in groups if text_of(g["name"]) == keys.group), None)
     if group is None or stream_id(group["last-delivered-id"]) < stream_id(sent):
         return False
     return not redis.xpending_range(keys.events, keys.group, min=sent, max=sent, count=1)
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value

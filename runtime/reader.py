@@ -211,13 +211,13 @@ class Reader:
             pipe.xlen(stream)
         events, outcomes, dead = pipe.execute()
         try:
-            group = next((g for g in self.redis.xinfo_groups(keys.events) if _text(g["name"]) == keys.group), None)
+            group = next((g for g in self.redis.xinfo_groups(keys.events) if text_of(g["name"]) == keys.group), None)
         except ResponseError:  # no stream yet: nothing was ever published
             group = None
         consumers = []
         if group is not None:
             consumers = [
-                Consumer(_text(c["name"]), c["pending"], c["idle"])
+                Consumer(text_of(c["name"]), c["pending"], c["idle"])
                 for c in self.redis.xinfo_consumers(keys.events, keys.group)
             ]
         workers = [
@@ -237,7 +237,7 @@ class Reader:
             dead_letters=dead,
             lag=group.get("lag") if group else None,
             pending=group["pending"] if group else 0,
-            last_delivered=_text(group["last-delivered-id"]) if group else None,
+            last_delivered=text_of(group["last-delivered-id"]) if group else None,
             coordinators=consumers,
             workers=workers,
             queue=self.queue_depth(),
@@ -260,5 +260,6 @@ class Reader:
         return letters
 
 
-def _text(value: str | bytes) -> str:
+def text_of(value: str | bytes) -> str:
+    """A name redis-py returns as bytes or str (depending on the reply), as text."""
     return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import redis
 from mcp_saga.examples.ledger import read_state
+from mcp_saga.schemas.config import parse_config, write_config
 from mcp_saga.schemas.keys import Keys
 from processes import free_port, saga_process, start_http_servers, stop, wait_for, wait_until_accepting
 
@@ -73,13 +74,17 @@ def real_run(redis_url: str, tmp_path: Path) -> Iterator[tuple[str, dict[str, st
     specs[0] = (*specs[0], "--fail-first", "1")
     with start_http_servers(*specs) as started:
         urls = dict(zip(dbs, (url for _, url in started), strict=True))
-        config = tmp_path / "saga.toml"
-        config.write_text(
-            "".join(f'[servers.{n}]\nurl = "{u}"\ntimeout = 10\n\n' for n, u in urls.items())
-            + '[policy]\nauto = ["*"]\napproval = ["payments:*"]\n\n'
-            + "[coordinator]\nblock_ms = 100\n\n"
-            + "[worker]\nconcurrency = 1\nattempts = 3\nbackoff_base = 1.0\nbackoff_max = 1.0\njitter = 0\n\n"
-            + "[console]\npoll_seconds = 0.3\n"
+        config = write_config(
+            parse_config(
+                {
+                    "servers": {name: {"url": url, "timeout": 10} for name, url in urls.items()},
+                    "policy": {"auto": ["*"], "approval": ["payments:*"]},
+                    "coordinator": {"block_ms": 100},
+                    "worker": {"concurrency": 1, "attempts": 3, "backoff_base": 1.0, "backoff_max": 1.0, "jitter": 0},
+                    "console": {"poll_seconds": 0.3},
+                }
+            ),
+            tmp_path / "saga.toml",
         )
         port = free_port()
         procs = [
