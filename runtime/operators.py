@@ -74,6 +74,8 @@ def prepare(reader: Reader, workflow: str, command: str, step: str | None, by: s
     check_ids(workflow, step)
     if step is None and command != "retry":
         raise CommandRefused(f"{command} needs a step")
+    if command == "resolve" and not note.strip():
+        raise CommandRefused("resolve needs a note: what was done by hand, for the timeline")
     loaded = reader.records(workflow)
     if loaded is None:
         raise CommandRefused(f"no workflow {workflow!r} (never seen by a coordinator, or expired)")

@@ -185,6 +185,7 @@ def test_refusals_are_shown_with_the_cli_reasons_and_nothing_is_sent(
         ({"command": "skip", "step": "nope"}, "has no step &#39;nope&#39;"),
         ({"command": "resolve", "step": "charge", "note": "x" * 9000}, "the note is 9000 characters"),
         ({"command": "dance", "step": "charge"}, "unknown command"),
+        ({"command": "resolve", "step": "charge", "note": " "}, "resolve needs a note"),
     ]
     for form, reason in cases:
         response = web.post("/workflows/order-1/act", data={**form, "csrf": token}, headers=ALICE)
