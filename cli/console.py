@@ -16,12 +16,16 @@ def cmd_console(args: argparse.Namespace) -> int:
     import uvicorn
     from mcp_saga.console import Credentials, create_app
     from mcp_saga.console.auth import TOKEN_ENV, USERS_ENV, CredentialsError
+    from mcp_saga.schemas.config import ConsoleSettings
     from mcp_saga.schemas.keys import Keys
+    from pydantic import ValidationError
 
     config = config_of(args)
-    settings = config.console.model_copy(
-        update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    )
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    try:  # validated like the file's [console] table (model_copy would not check the flags)
+        settings = ConsoleSettings.model_validate(config.console.model_dump() | overrides)
+    except ValidationError as exc:
+        raise CliError("; ".join(f"--{e['loc'][0]}: {e['msg']}" for e in exc.errors())) from None
     try:
         credentials = Credentials.from_env()
     except CredentialsError as exc:

@@ -367,7 +367,7 @@ def test_credentials_from_the_environment() -> None:
     assert not Credentials.from_env({}).configured
 
 
-def test_saga_console_refuses_to_start_without_credentials(
+def test_saga_console_refuses_to_start_without_credentials_or_with_a_bad_port(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], redis_url: str
 ) -> None:
     from mcp_saga.cli.main import main
@@ -376,3 +376,6 @@ def test_saga_console_refuses_to_start_without_credentials(
         monkeypatch.delenv(name, raising=False)
     assert main(["console", "--redis", redis_url]) == 2
     assert "no credentials: set SAGA_CONSOLE_TOKEN" in capsys.readouterr().err
+    monkeypatch.setenv("SAGA_CONSOLE_TOKEN", TOKEN)
+    assert main(["console", "--redis", redis_url, "--port", "70000"]) == 2
+    assert "saga console: --port: Input should be less than or equal to 65535" in capsys.readouterr().err
