@@ -211,7 +211,14 @@ def picture(snapshot: WorkflowSnapshot) -> dict[str, Any]:
         width = max(3.0, x(end) - left) if end is not None else 0
         return {"x": left, "w": width, "kind": kind, "label": label, "short": short}
 
-    drawn = [{"name": "workflow", "status": None, "parts": [item(t, None, *rest) for t, *rest in sorted(forward)]}]
+    drawn = [
+        {
+            "name": "workflow",
+            "status": None,
+            # The failure last, so a status change at about the same instant does not cover it.
+            "parts": [item(t, None, *rest) for t, *rest in sorted(forward, key=lambda f: (f[1] == "failure", f[0]))],
+        }
+    ]
     drawn += [
         {
             "name": f"undo {step}",

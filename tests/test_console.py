@@ -337,8 +337,8 @@ def test_attempts_are_bars_as_long_as_the_worker_measured(r: redis.Redis, stuck:
     picture = views.picture(snapshot)
     lanes = {lane["name"]: lane for lane in picture["lanes"]}
     assert list(lanes) == ["workflow", "undo charge", "undo reserve"]
-    assert [p["kind"] for p in lanes["workflow"]["parts"]] == ["failure", "status"]
-    assert lanes["workflow"]["parts"][1]["label"] == "status: needs-attention"
+    assert [p["kind"] for p in lanes["workflow"]["parts"]] == ["status", "failure"]  # the failure drawn on top
+    assert lanes["workflow"]["parts"][0]["label"] == "status: needs-attention"
     [dispatched, attempt] = lanes["undo charge"]["parts"]
     assert dispatched["w"] == 0 and "compensation-dispatched" in dispatched["label"]
     assert attempt["kind"] == "failed" and attempt["w"] >= 3 and "after 42 ms" in attempt["label"]
