@@ -31,6 +31,13 @@ STEP_ID = r"^[A-Za-z0-9._:-]{1,64}$"
 _WORKFLOW_RE = re.compile(WORKFLOW_ID)
 _STEP_RE = re.compile(STEP_ID)
 
+# Where an MCP client names the workflow a tool call belongs to (the gateway reads both): the request
+# `_meta` key (reverse-DNS and ours, like every `_meta` key mcp-saga defines), else this HTTP header.
+WORKFLOW_META_KEY = "io.github.mcp-saga/workflow"
+WORKFLOW_HEADER = "Saga-Workflow"
+# What the gateway adds to each recorded call's result `_meta`: the workflow and step it was recorded under.
+STEP_META_KEY = "io.github.mcp-saga/step"
+
 StepId = Annotated[str, Meta(pattern=STEP_ID)]
 Name = Annotated[str, Meta(min_length=1, max_length=128)]
 TEXT_MAX = 8192  # characters of a free-text field (reasons, errors, notes)
@@ -221,6 +228,10 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
     if step is not None and not _STEP_RE.fullmatch(step):  # msgspec's pattern check uses re.search
         raise InvalidEvent(f"{kind} data: invalid step id {step[:80]!r} (must match {STEP_ID})")
     return Event(id=entry_id, type=kind, workflow=workflow, data=data, raw=raw)
+
+
+def valid_workflow_id(workflow: object) -> bool:
+    return isinstance(workflow, str) and _WORKFLOW_RE.fullmatch(workflow) is not None
 
 
 def _too_deep(data: Struct) -> bool:
