@@ -146,8 +146,13 @@ def serve_http(config: Config, redis_url: str, *, host: str | None = None, port:
     app, _ = http_app(config, redis_url, token)
     settings = config.gateway
     uvicorn.Server(
-        uvicorn.Config(app, host=host or settings.host, port=port if port is not None else settings.port,
-                       log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app,
+            host=host or settings.host,
+            port=port if port is not None else settings.port,
+            log_level="warning",
+            lifespan="on",
+        )
     ).run()
     return 0
 

@@ -34,6 +34,7 @@ from mcp_saga.runtime.recovery_wire import RECOVERY_META_KEY, declaration_from_w
 from mcp_saga.runtime.sessions import GATEWAY_CLIENT, AsyncSessions, ProtocolError, SessionError
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import STEP_META_KEY, WORKFLOW_META_KEY
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import TypeAdapter
 
 log = get_logger("gateway")
@@ -146,9 +147,16 @@ class Gateway:
 
     # Forwarding.
 
-    async def _upstream(self, name: str, run: Callable[[Client], Awaitable[Any]]) -> Any:
+    async def _upstream(
+        self, name: str, ctx: ServerRequestContext[Any, Any], run: Callable[[Client], Awaitable[Any]]
+    ) -> Any:
+        """The upstream's result for the client's protocol era: a 2026 client needs `resultType`, which
+        a handshake-era upstream never sends (absent means complete)."""
         try:
-            return await self.sessions.request(name, run)
+            result = await self.sessions.request(name, run)
+            if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS and isinstance(result, dict):
+                result.setdefault("resultType", "complete")
+            return result
         except ProtocolError as exc:
             raise MCPError(code=exc.code, message=str(exc).removeprefix(f"MCP error {exc.code}: ")) from None
         except SessionError as exc:
@@ -164,7 +172,7 @@ class Gateway:
                 request = request_type(params=_forwarded_params(params))
                 return await client.session.send_request(request, RAW, progress_callback=_progress(ctx, params))
 
-            return await self._upstream(name, run)
+            return await self._upstream(name, ctx, run)
 
         return handler
 
@@ -173,7 +181,7 @@ class Gateway:
             request = types.ListToolsRequest(params=_forwarded_params(params))
             return await client.session.send_request(request, RAW)
 
-        page = await self._upstream(name, run)
+        page = await self._upstream(name, ctx, run)
         tools = page.get("tools") if isinstance(page.get("tools"), list) else []
         for tool in tools:
             declaration = declaration_from_wire(tool) if isinstance(tool, dict) else None
@@ -199,7 +207,7 @@ class Gateway:
             request = types.CallToolRequest(params=_forwarded_params(params))
             return await client.session.send_request(request, RAW, progress_callback=_progress(ctx, params))
 
-        result = await self._upstream(name, run)
+        result = await self._upstream(name, ctx, run)
         if result.get("isError") or result.get("resultType") not in (None, "complete"):
             return result  # not a completed step: a failure, or a round that asks for input first
         step = await self._record(name, workflow, params.name, arguments, result)
@@ -215,8 +223,12 @@ class Gateway:
         try:
             declaration = (await self.sessions.tools(name)).get(tool)
         except SessionError as exc:  # the call committed: record it, with the overlay if there is one
-            log.warning("tools/list failed; step recorded without the live declaration", workflow=workflow, step=step,
-                        error=str(exc))
+            log.warning(
+                "tools/list failed; step recorded without the live declaration",
+                workflow=workflow,
+                step=step,
+                error=str(exc),
+            )
             declaration = None
         if declaration is not None:
             if recovery is None:
@@ -247,7 +259,9 @@ class Gateway:
         except Exception as exc:
             log.error("lifecycle signal not published", workflow=workflow, tool=params.name, error=repr(exc))
             raise MCPError(code=types.INTERNAL_ERROR, message=f"could not record {params.name}: {exc}") from None
-        return {"content": [{"type": "text", "text": text}], "_meta": {WORKFLOW_META_KEY: workflow}}
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=text)], meta={WORKFLOW_META_KEY: workflow}
+        )
 
     def _workflow(self, ctx: ServerRequestContext[Any, Any]) -> str:
         request = ctx.request
@@ -328,4 +342,3 @@ LIFECYCLE_TOOLS: list[dict[str, Any]] = [
         "annotations": {"idempotentHint": True},
     },
 ]
-
