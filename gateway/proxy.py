@@ -99,6 +99,7 @@ class Gateway:
         self.stdio_workflow = new_session_workflow() if stdio else None
         self._steps = 0
         self._declared: dict[str, dict[str, Any]] = {name: {} for name in config.servers}
+        self._schemas: dict[str, dict[str, Any]] = {name: {} for name in config.servers}
         self._downstream: dict[str, weakref.WeakKeyDictionary[Any, Any]] = {
             name: weakref.WeakKeyDictionary() for name in config.servers
         }
@@ -110,12 +111,17 @@ class Gateway:
         server = _Endpoint(
             f"mcp-saga-gateway/{name}",
             version=GATEWAY_CLIENT,
+            # Without it, the SDK runs the tools/list handler for every 2026-era call to check its
+            # `Mcp-Param` headers: one more upstream round trip per call.
+            get_tool_input_schema=lambda tool: self._schemas[name].get(tool),
             on_list_tools=lambda ctx, params: self._list_tools(name, ctx, params),
             on_call_tool=lambda ctx, params: self._call_tool(name, ctx, params),
         )
         for method, params_type, request_type, capability, listing in _FORWARDED:
             server.add_request_handler(method, params_type, self._forwarder(name, request_type, capability, listing))
-        server.middleware.append(self._middleware(name))
+        # The SDK's default OpenTelemetry span per message is a cost on every forwarded call; the
+        # upstream server records its own spans, and the gateway logs what it records.
+        server.middleware = [self._middleware(name)]
         return server
 
     def _middleware(self, name: str) -> Callable[..., Awaitable[Any]]:
@@ -123,6 +129,7 @@ class Gateway:
             connection = getattr(ctx.session, "_connection", None)  # the SDK exposes it only privately
             if connection is not None and ctx.request_id is not None:
                 self._downstream[name][connection] = ctx.session
+            log.debug("request", server=name, method=ctx.method)
             result = await call_next(ctx)
             if ctx.method == "tools/list" and isinstance(result, dict):
                 self._annotate(name, result)
@@ -185,7 +192,10 @@ class Gateway:
         tools = page.get("tools") if isinstance(page.get("tools"), list) else []
         for tool in tools:
             declaration = declaration_from_wire(tool) if isinstance(tool, dict) else None
-            if declaration is not None and declaration.recovery is not None:
+            if declaration is None:
+                continue
+            self._schemas[name][declaration.name] = declaration.input_schema
+            if declaration.recovery is not None:
                 self._declared[name][declaration.name] = declaration.recovery
         first_page = params is None or not getattr(params, "cursor", None)
         if self.settings.tools and first_page:
@@ -231,6 +241,7 @@ class Gateway:
             )
             declaration = None
         if declaration is not None:
+            self._schemas[name].setdefault(tool, declaration.input_schema)
             if recovery is None:
                 recovery = declaration.recovery
                 if recovery is not None and not isinstance(recovery, dict):

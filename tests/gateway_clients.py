@@ -27,10 +27,6 @@ def _script(order: str) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
-def _gateway(base: str, server: str) -> str:
-    return f"{base}/mcp/{server}"
-
-
 async def run_pydantic_ai(gateway: str, token: str, workflow: str) -> dict[str, Any]:
     """PydanticAI: one MCPToolset per server, each pointed at the gateway; FunctionModel plays the LLM."""
     from pydantic_ai import Agent
@@ -40,7 +36,7 @@ async def run_pydantic_ai(gateway: str, token: str, workflow: str) -> dict[str, 
 
     headers = {"Authorization": f"Bearer {token}", "Saga-Workflow": workflow}
     servers = {
-        s: MCPToolset(_gateway(gateway, s), headers=headers, id=s, tool_error_behavior="error")
+        s: MCPToolset(f"{gateway}/mcp/{s}", headers=headers, id=s, tool_error_behavior="error")
         for s in ("inventory", "payments", "shipping")
     }
     # Each server's own tools only: `state` and the gateway's saga_* tools exist on every endpoint.

@@ -29,7 +29,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_saga.examples import SERVERS
 from mcp_saga.examples.ledger import read_state
 from mcp_saga.runtime.recovery_wire import RECOVERY_META_KEY, compensation, read_tool_declarations
-from mcp_saga.schemas.events import STEP_META_KEY, WORKFLOW_META_KEY, decode_entry
+from mcp_saga.schemas.events import STEP_META_KEY, WORKFLOW_META_KEY, StepCompleted, decode_entry
 from mcp_saga.schemas.keys import Keys
 from processes import REPO, free_port, saga_process, start_http_servers, stop, wait_for, wait_until_accepting
 
@@ -109,9 +109,14 @@ async def connect(url: str, headers: dict[str, str] | None = None, **kwargs: Any
         yield client
 
 
-def steps_of(world: World, workflow: str) -> list[Any]:
-    events = [decode_entry(i.decode(), f) for i, f in world.r.xrange(K.events)]
-    return [e.data for e in events if e.workflow == workflow and e.type == "step-completed"]
+def steps_of(world: World, workflow: str, count: int = 0) -> list[StepCompleted]:
+    """The workflow's step stack as the coordinator recorded it (it trims saga:events once consumed)."""
+
+    def read() -> list[StepCompleted]:
+        return [msgspec.json.decode(raw, type=StepCompleted) for raw in world.r.lrange(K.steps(workflow), 0, -1)]
+
+    wait_for(lambda: len(read()) >= count, timeout=30, what=f"{count} steps of {workflow}")
+    return read()
 
 
 def settled(world: World, workflow: str) -> str:
@@ -194,7 +199,7 @@ async def test_header_workflow_across_servers_failed_with_the_cli(world: World) 
                 "create_shipment", {"orderId": workflow, "address": "x", "simulateFailure": True}
             )
     assert failed.is_error and STEP_META_KEY not in (failed.meta or {})
-    assert [s.tool for s in steps_of(world, workflow)] == ["reserve_inventory", "charge_payment"]
+    assert [s.tool for s in steps_of(world, workflow, 2)] == ["reserve_inventory", "charge_payment"]
     done = subprocess.run(
         ["saga", "fail", workflow, "--reason", "shipping refused", "--config", str(world.config)],
         env={**os.environ, "REDIS_URL": world.redis_url},
@@ -220,9 +225,9 @@ async def test_meta_names_the_workflow_and_wins_over_the_header(world: World) ->
             )
         done = await client.call_tool("saga_complete", {}, meta={WORKFLOW_META_KEY: "order-meta"})
     assert result.meta[WORKFLOW_META_KEY] == "order-meta" and not done.is_error
+    assert settled(world, "order-meta") == "completed"
     assert [s.arguments for s in steps_of(world, "order-meta")] == [{"orderId": "m", "amount": 1}]
     assert steps_of(world, "order-header") == []  # the refused call reached nobody
-    assert settled(world, "order-meta") == "completed"
 
 
 # Real frameworks.
@@ -239,8 +244,8 @@ async def test_pydantic_ai_agent_through_the_gateway(world: World) -> None:
     workflow = "order-pydantic-ai"
     outcome = await run_pydantic_ai(world.gateway, TOKEN, workflow)
     assert outcome["failed"], outcome
-    assert [s.tool for s in steps_of(world, workflow)] == ["reserve_inventory", "charge_payment"]
     assert settled(world, workflow) == "compensated"
+    assert [s.tool for s in steps_of(world, workflow)] == ["reserve_inventory", "charge_payment"]
     assert_undone_in_reverse(world, outcome["reservationId"], outcome["transactionId"])
 
 
@@ -271,8 +276,8 @@ def test_langgraph_agent_through_the_gateway(world: World, langgraph_python: Pat
     assert done.returncode == 0, done.stdout + done.stderr
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
     assert outcome["failed"], outcome
-    assert [s.tool for s in steps_of(world, workflow)] == ["reserve_inventory", "charge_payment"]
     assert settled(world, workflow) == "compensated"
+    assert [s.tool for s in steps_of(world, workflow)] == ["reserve_inventory", "charge_payment"]
     assert_undone_in_reverse(world, outcome["reservationId"], outcome["transactionId"])
 
 
@@ -311,8 +316,8 @@ def test_typescript_sdk_client_through_the_gateway(world: World, ts_sdk: Path) -
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
     assert outcome["recovery"] == DECLARED["charge_payment"]  # the raw tools/list, which listTools() strips
     assert outcome["shipmentFailed"] and outcome["failSignalled"]
-    assert [s.tool for s in steps_of(world, workflow)] == ["reserve_inventory", "charge_payment"]
     assert settled(world, workflow) == "compensated"
+    assert [s.tool for s in steps_of(world, workflow)] == ["reserve_inventory", "charge_payment"]
     assert_undone_in_reverse(world, outcome["reservationId"], outcome["transactionId"])
 
 
@@ -324,7 +329,7 @@ async def test_concurrent_workflows_keep_their_own_steps_in_order(world: World) 
 
     await asyncio.gather(*(run(n) for n in range(4)))
     for n in range(4):
-        steps = steps_of(world, f"order-many-{n}")
+        steps = steps_of(world, f"order-many-{n}", 3)
         assert [s.arguments["orderId"] for s in steps] == [f"o{n}-{i}" for i in range(3)]
 
 
