@@ -319,13 +319,13 @@ def _forwarded_params(params: Any) -> Any:
         return None
     meta = dict(params.meta or {})
     meta.pop(WORKFLOW_META_KEY, None)
-    meta.pop("progressToken", None)
+    meta.pop("progress_token", None)  # the validated meta holds the token under its Python name
     return params.model_copy(update={"meta": meta or None})
 
 
 def _progress(ctx: ServerRequestContext[Any, Any], params: Any) -> Any:
     """Relay the upstream's progress to the client, when the client asked for progress."""
-    if params is None or not (params.meta or {}).get("progressToken"):
+    if params is None or (params.meta or {}).get("progress_token") is None:
         return None
 
     async def report(progress: float, total: float | None, message: str | None) -> None:

@@ -31,7 +31,16 @@ from mcp_saga.examples.ledger import read_state
 from mcp_saga.runtime.recovery_wire import RECOVERY_META_KEY, compensation, read_tool_declarations
 from mcp_saga.schemas.events import STEP_META_KEY, WORKFLOW_META_KEY, StepCompleted, decode_entry
 from mcp_saga.schemas.keys import Keys
-from processes import REPO, free_port, saga_process, start_http_servers, stop, wait_for, wait_until_accepting
+from processes import (
+    REPO,
+    free_port,
+    saga_process,
+    start_http_servers,
+    stdio_params,
+    stop,
+    wait_for,
+    wait_until_accepting,
+)
 
 K = Keys("gwt")
 pytestmark = pytest.mark.anyio
@@ -403,3 +412,59 @@ async def _refused_while_down(url: str, store: subprocess.Popen[bytes], command:
             assert [s.arguments["orderId"] for s in steps if getattr(s, "tool", None) == "charge_payment"] == ["after"]
         finally:
             stop(revived)
+
+
+async def test_resources_prompts_and_progress_are_forwarded(tmp_path: Path, redis_url: str) -> None:
+    """What the upstream offers besides tools reaches the client unchanged, and progress is relayed."""
+    port = free_port()
+    with start_http_servers(("tests.gateway_upstream",)) as [(_, upstream)]:
+        config = tmp_path / "saga.toml"
+        config.write_text(
+            f'prefix = "gwx"\n[servers.extras]\nurl = "{upstream}"\n[gateway]\nport = {port}\nallow_anonymous = true\n'
+        )
+        gateway = saga_process("gateway", redis_url=redis_url, config=config, log=tmp_path / "gateway.log")
+        try:
+            wait_until_accepting("127.0.0.1", port, gateway)
+            async with Client(upstream) as direct, Client(f"http://127.0.0.1:{port}/mcp/extras") as through:
+                for client in (direct, through):
+                    resources = await client.list_resources()
+                    assert [str(r.uri) for r in resources.resources] == ["note://hello"]
+                    read = await client.read_resource("note://hello")
+                    assert read.contents[0].text == "hello through the gateway"
+                    prompts = await client.list_prompts()
+                    assert [p.name for p in prompts.prompts] == ["greet"]
+                    prompt = await client.get_prompt("greet", {"name": "Ada"})
+                    assert "Say hello to Ada." in prompt.messages[0].content.text
+                seen: list[tuple[float, float | None, str | None]] = []
+
+                async def progress(value: float, total: float | None, message: str | None) -> None:
+                    seen.append((value, total, message))
+
+                result = await through.call_tool(
+                    "count", {"to": 3}, progress_callback=progress, meta={WORKFLOW_META_KEY: "wf-progress"}
+                )
+            assert result.structured_content == {"counted": 3}
+            assert seen == [(1, 3, "at 1"), (2, 3, "at 2"), (3, 3, "at 3")]
+        finally:
+            stop(gateway)
+
+
+def test_stdio_gateway_is_one_session_and_its_end_applies_the_policy(world: World, tmp_path: Path) -> None:
+    """`saga gateway --stdio payments`, spawned by the client as a host spawns a server."""
+    config = tmp_path / "saga.toml"
+    config.write_text(world.config.read_text().replace("tools = true", "tools = false"))
+
+    async def run() -> tuple[str, str]:
+        env = {"REDIS_URL": world.redis_url, "SAGA_CONFIG": str(config), "SAGA_LOG": "text"}
+        params = stdio_params("mcp_saga.cli", "gateway", "--stdio", "payments", env={**os.environ, **env})
+        async with Client(params) as client:
+            names = {tool.name for tool in (await client.list_tools()).tools}
+            assert "charge_payment" in names and "saga_fail" not in names  # lifecycle tools off here
+            charged = await client.call_tool("charge_payment", {"orderId": "stdio", "amount": 4})
+        return charged.meta[WORKFLOW_META_KEY], charged.structured_content["transactionId"]
+
+    workflow, transaction = asyncio.run(run())
+    assert workflow.startswith("gw-")
+    assert settled(world, workflow) == "compensated"  # on_session_end = "fail" in this config
+    changes = [e["change"] for e in read_state(world.dbs["payments"])["effects"] if e["holding"] == transaction]
+    assert changes == ["charged", "refunded"]

@@ -1,0 +1,39 @@
+"""An upstream with more than tools, for the gateway's forwarding test: a resource, a prompt, progress.
+
+python -m tests.gateway_upstream --http PORT [--host HOST]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mcp.server.mcpserver import Context, MCPServer
+
+app = MCPServer("extras", log_level="WARNING")
+
+
+@app.resource("note://hello", description="a fixed note")
+def hello() -> str:
+    return "hello through the gateway"
+
+
+@app.prompt()
+def greet(name: str) -> str:
+    """Greet someone."""
+    return f"Say hello to {name}."
+
+
+@app.tool()
+async def count(to: int, ctx: Context) -> dict[str, int]:
+    """Count up, reporting progress at each number."""
+    for n in range(1, to + 1):
+        await ctx.report_progress(n, to, f"at {n}")
+    return {"counted": to}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--http", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args()
+    app.run("streamable-http", host=args.host, port=args.http)
