@@ -54,14 +54,12 @@ async def measure(direct_url: str, gateway_url: str, calls: int, rounds: int) ->
 def timings(redis_url: str, *, calls: int, rounds: int) -> dict[str, list[float]]:
     import redis
     from mcp_saga.cli.procs import free_port, saga_process, start_http_server, stop, wait_until_accepting
+    from mcp_saga.schemas.config import parse_config, write_config
 
     with start_http_server("bench.publisher", "--serve") as (_, upstream), tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        config = Path(tmp) / "saga.toml"
-        config.write_text(
-            f'prefix = "{PREFIX}"\n[servers.bench]\nurl = "{upstream}"\n'
-            f"[gateway]\nport = {port}\nallow_anonymous = true\n"
-        )
+        settings = {"servers": {"bench": {"url": upstream}}, "gateway": {"port": port, "allow_anonymous": True}}
+        config = write_config(parse_config({"prefix": PREFIX, **settings}), Path(tmp) / "saga.toml")
         gateway = saga_process("gateway", redis_url=redis_url, config=config, env={"SAGA_LOG_LEVEL": "WARNING"})
         try:
             wait_until_accepting("127.0.0.1", port, gateway)

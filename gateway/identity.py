@@ -12,7 +12,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from mcp_saga.schemas.events import WORKFLOW_HEADER, WORKFLOW_ID, WORKFLOW_META_KEY, valid_workflow_id
+from mcp_saga.schemas.events import WORKFLOW_HEADER, WORKFLOW_META_KEY, check_workflow_id
 
 Source = Literal["meta", "header", "session"]
 
@@ -23,8 +23,10 @@ class NoWorkflow(ValueError):
 
 def session_workflow(session_id: str) -> str:
     """The workflow of an MCP session: derived from the session id when it fits the contract."""
-    candidate = f"gw-{session_id}"
-    return candidate if valid_workflow_id(candidate) else f"gw-{secrets.token_hex(12)}"
+    try:
+        return check_workflow_id(f"gw-{session_id}")
+    except ValueError:
+        return new_session_workflow()
 
 
 def new_session_workflow() -> str:
@@ -50,8 +52,7 @@ def resolve_workflow(
 
 
 def _checked(value: object, where: str) -> str:
-    if not valid_workflow_id(value):
-        shown = repr(value)[:80]
-        raise NoWorkflow(f"invalid workflow id {shown} in {where} (must match {WORKFLOW_ID})")
-    assert isinstance(value, str)
-    return value
+    try:
+        return check_workflow_id(value)
+    except ValueError as exc:
+        raise NoWorkflow(f"{exc} in {where}") from None

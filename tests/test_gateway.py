@@ -29,6 +29,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_saga.examples import SERVERS
 from mcp_saga.examples.ledger import read_state
 from mcp_saga.runtime.recovery_wire import RECOVERY_META_KEY, compensation, read_tool_declarations
+from mcp_saga.schemas.config import load_config, parse_config, write_config
 from mcp_saga.schemas.events import STEP_META_KEY, WORKFLOW_META_KEY, StepCompleted, decode_entry
 from mcp_saga.schemas.keys import Keys
 from processes import (
@@ -82,17 +83,11 @@ def world(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     with start_http_servers(*specs) as started:
         urls = {name: url for name, (_, url) in zip(SERVERS, started, strict=True)}
         port = free_port()
-        config = tmp / "saga.toml"
-        overlay = json.dumps(OVERLAY["compensatingOperation"]["parameters"]).replace('":', '" =')
-        config.write_text(
-            'prefix = "gwt"\n'
-            + "".join(f'[servers.{name}]\nurl = "{url}"\ntimeout = 10\n' for name, url in urls.items())
-            + '[servers.shipping.recovery.create_shipment]\nstrategy = "compensation"\n'
-            + f'compensatingOperation = {{ operationId = "cancel_shipment", parameters = {overlay} }}\n'
-            + "[coordinator]\nblock_ms = 50\n"
-            + "[worker]\nbackoff_base = 0\njitter = 0\n"
-            + f'[gateway]\nport = {port}\ntools = true\ntoken_env = "GW_TOKEN"\non_session_end = "fail"\n'
-        )
+        servers: dict[str, Any] = {name: {"url": url, "timeout": 10} for name, url in urls.items()}
+        servers["shipping"]["recovery"] = {"create_shipment": OVERLAY}
+        gateway = {"port": port, "tools": True, "token_env": "GW_TOKEN", "on_session_end": "fail"}
+        settings = {"coordinator": {"block_ms": 50}, "worker": {"backoff_base": 0, "jitter": 0}, "gateway": gateway}
+        config = write_config(parse_config({"prefix": "gwt", "servers": servers, **settings}), tmp / "saga.toml")
         env = {"GW_TOKEN": TOKEN}
         procs = [
             saga_process("coordinator", redis_url=redis_url, config=config, log=tmp / "coordinator.log"),
@@ -352,11 +347,9 @@ def test_while_redis_is_down_new_calls_are_refused_before_they_reach_the_server(
     store = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{redis_port}/0"
     with start_http_servers(("mcp_saga.examples.payments", "--db", str(db))) as [(_, upstream)]:
-        config = tmp_path / "saga.toml"
-        config.write_text(
-            f'[servers.payments]\nurl = "{upstream}"\n'
-            f"[gateway]\nport = {gateway_port}\nallow_anonymous = true\npublish_retry_for = 1\n"
-        )
+        gateway_settings = {"port": gateway_port, "allow_anonymous": True, "publish_retry_for": 1}
+        settings = {"servers": {"payments": {"url": upstream}}, "gateway": gateway_settings}
+        config = write_config(parse_config(settings), tmp_path / "saga.toml")
         gateway = saga_process("gateway", redis_url=url, config=config, log=tmp_path / "gateway.log")
         try:
             wait_until_accepting("127.0.0.1", redis_port, store)
@@ -418,10 +411,8 @@ async def test_resources_prompts_and_progress_are_forwarded(tmp_path: Path, redi
     """What the upstream offers besides tools reaches the client unchanged, and progress is relayed."""
     port = free_port()
     with start_http_servers(("tests.gateway_upstream",)) as [(_, upstream)]:
-        config = tmp_path / "saga.toml"
-        config.write_text(
-            f'prefix = "gwx"\n[servers.extras]\nurl = "{upstream}"\n[gateway]\nport = {port}\nallow_anonymous = true\n'
-        )
+        settings = {"servers": {"extras": {"url": upstream}}, "gateway": {"port": port, "allow_anonymous": True}}
+        config = write_config(parse_config({"prefix": "gwx", **settings}), tmp_path / "saga.toml")
         gateway = saga_process("gateway", redis_url=redis_url, config=config, log=tmp_path / "gateway.log")
         try:
             wait_until_accepting("127.0.0.1", port, gateway)
@@ -451,8 +442,10 @@ async def test_resources_prompts_and_progress_are_forwarded(tmp_path: Path, redi
 
 def test_stdio_gateway_is_one_session_and_its_end_applies_the_policy(world: World, tmp_path: Path) -> None:
     """`saga gateway --stdio payments`, spawned by the client as a host spawns a server."""
-    config = tmp_path / "saga.toml"
-    config.write_text(world.config.read_text().replace("tools = true", "tools = false"))
+    base = load_config(world.config)
+    config = write_config(
+        base.model_copy(update={"gateway": base.gateway.model_copy(update={"tools": False})}), tmp_path / "saga.toml"
+    )
 
     async def run() -> tuple[str, str]:
         env = {"REDIS_URL": world.redis_url, "SAGA_CONFIG": str(config), "SAGA_LOG": "text"}

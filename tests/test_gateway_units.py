@@ -12,7 +12,7 @@ from mcp_saga.gateway.proxy import step_id
 from mcp_saga.gateway.recorder import NotRecordable, Recorder
 from mcp_saga.runtime.publish import step_entry
 from mcp_saga.schemas.config import ConfigError, parse_config
-from mcp_saga.schemas.events import STEP_ID, WORKFLOW_META_KEY, decode_entry, valid_workflow_id
+from mcp_saga.schemas.events import STEP_ID, WORKFLOW_META_KEY, check_workflow_id, decode_entry
 
 
 def test_identity_order_is_meta_then_header_then_session() -> None:
@@ -35,7 +35,7 @@ def test_invalid_ids_are_refused_wherever_they_come_from(bad: Any) -> None:
 
 def test_session_and_step_ids_fit_the_contract() -> None:
     assert session_workflow("abc123") == "gw-abc123"
-    assert valid_workflow_id(session_workflow("not valid/" * 40))
+    assert check_workflow_id(session_workflow("not valid/" * 40))
     import re
 
     for tool in ("charge_payment", "weird tool/name", "x" * 200):
