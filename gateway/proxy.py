@@ -23,6 +23,7 @@ from typing import Any
 
 import mcp_types as types
 from mcp import Client
+from mcp.server.caching import CACHEABLE_METHODS, CacheHint
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel.server import NotificationOptions, Server
 from mcp.shared.exceptions import MCPError
@@ -94,6 +95,10 @@ class Gateway:
             tools_ttl=config.worker.tools_ttl,
             client_name=GATEWAY_CLIENT,
             message_handler=self._relay_for,
+            # A handshake-era session keeps a stream open on which the upstream sends its own
+            # notifications (list_changed, resources/updated) for the gateway to relay; a 2026-era
+            # one delivers them only to an explicit subscriptions/listen.
+            mode="legacy",
         )
         # A stdio gateway serves one host: the process is the session.
         self.stdio_workflow = new_session_workflow() if stdio else None
@@ -114,6 +119,9 @@ class Gateway:
             # Without it, the SDK runs the tools/list handler for every 2026-era call to check its
             # `Mcp-Param` headers: one more upstream round trip per call.
             get_tool_input_schema=lambda tool: self._schemas[name].get(tool),
+            # A 2026-era client needs freshness hints a handshake-era upstream never sends: the
+            # upstream's own win; where it sent none, "stale at once, not shared" claims nothing.
+            cache_hints={method: CacheHint() for method in CACHEABLE_METHODS if method != "server/discover"},
             on_list_tools=lambda ctx, params: self._list_tools(name, ctx, params),
             on_call_tool=lambda ctx, params: self._call_tool(name, ctx, params),
         )

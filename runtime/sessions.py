@@ -111,8 +111,10 @@ class _Owner:
         backoff: tuple[float, float] = (0.1, 2.0),
         client_name: str = WORKER_CLIENT,
         message_handler: MessageHandlerFnT | None = None,
+        mode: str = "auto",
     ):
         self.name, self.config = name, config
+        self.mode = mode
         self.info = client_info(client_name)
         self.message_handler = message_handler
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -193,12 +195,14 @@ class _Owner:
     def client(self) -> Client:
         if self.config.url is not None:
             transport = _http_transport(self.config.url, self.config.headers(), self.config.timeout)
-            return Client(transport, cache=None, client_info=self.info, message_handler=self.message_handler)
+            return Client(
+                transport, cache=None, client_info=self.info, message_handler=self.message_handler, mode=self.mode
+            )
         command = self.config.command or []
         params = StdioServerParameters(
             command=command[0], args=command[1:], env=self.config.env or None, cwd=self.config.cwd
         )
-        return Client(params, cache=None, client_info=self.info, message_handler=self.message_handler)
+        return Client(params, cache=None, client_info=self.info, message_handler=self.message_handler, mode=self.mode)
 
     def target(self) -> str:
         target = self.config.url or " ".join(self.config.command or [])
@@ -244,11 +248,13 @@ class AsyncSessions:
         tools_ttl: float = 30.0,
         client_name: str = WORKER_CLIENT,
         message_handler: Callable[[str], MessageHandlerFnT] | None = None,
+        mode: str = "auto",
     ):
         self.servers = dict(servers)
         self.tools_ttl = tools_ttl
         self.client_name = client_name
         self.message_handler = message_handler
+        self.mode = mode
         self._owners: dict[str, _Owner] = {}
         self._lock = threading.Lock()
 
@@ -264,7 +270,7 @@ class AsyncSessions:
             owner = self._owners.get(server)
             if owner is None:
                 handler = self.message_handler(server) if self.message_handler else None
-                owner = _Owner(server, config, client_name=self.client_name, message_handler=handler)
+                owner = _Owner(server, config, client_name=self.client_name, message_handler=handler, mode=self.mode)
                 self._owners[server] = owner
             return owner
 

@@ -31,6 +31,18 @@ async def count(to: int, ctx: Context) -> dict[str, int]:
     return {"counted": to}
 
 
+@app.tool()
+async def grow(ctx: Context) -> dict[str, str]:
+    """Add a tool, and tell the client its tool list changed."""
+
+    def grown() -> str:
+        return "new"
+
+    app.add_tool(grown, name="grown")
+    await ctx.request_context.session.send_tool_list_changed()
+    return {"added": "grown"}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--http", type=int, required=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
+import mcp_types
 import msgspec
 import pytest
 import redis
@@ -436,8 +437,23 @@ async def test_resources_prompts_and_progress_are_forwarded(tmp_path: Path, redi
                 )
             assert result.structured_content == {"counted": 3}
             assert seen == [(1, 3, "at 1"), (2, 3, "at 2"), (3, 3, "at 3")]
+            await _list_changed_is_relayed(f"http://127.0.0.1:{port}/mcp/extras")
         finally:
             stop(gateway)
+
+
+async def _list_changed_is_relayed(url: str) -> None:
+    changed = asyncio.Event()
+
+    async def on_message(message: Any) -> None:
+        if isinstance(message, mcp_types.ToolListChangedNotification):
+            changed.set()
+
+    async with Client(url, mode="legacy", message_handler=on_message) as client:
+        assert "grown" not in {tool.name for tool in (await client.list_tools()).tools}
+        await client.call_tool("grow", {}, meta={WORKFLOW_META_KEY: "wf-grow"})
+        await asyncio.wait_for(changed.wait(), 10)
+        assert "grown" in {tool.name for tool in (await client.list_tools()).tools}
 
 
 def test_stdio_gateway_is_one_session_and_its_end_applies_the_policy(world: World, tmp_path: Path) -> None:
