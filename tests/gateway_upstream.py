@@ -32,6 +32,14 @@ async def count(to: int, ctx: Context) -> dict[str, int]:
 
 
 @app.tool()
+def whoami(ctx: Context) -> dict[str, str | None]:
+    """The clientInfo the caller introduced itself with."""
+    params = ctx.request_context.session.client_params
+    info = params.client_info if params is not None else None
+    return {"name": info.name if info else None, "version": info.version if info else None}
+
+
+@app.tool()
 async def grow(ctx: Context) -> dict[str, str]:
     """Add a tool, and tell the client its tool list changed."""
 

@@ -30,6 +30,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_saga.examples import SERVERS
 from mcp_saga.examples.ledger import read_state
 from mcp_saga.runtime.recovery_wire import RECOVERY_META_KEY, compensation, read_tool_declarations
+from mcp_saga.runtime.sessions import GATEWAY_CLIENT, WORKER_CLIENT, SessionPool
 from mcp_saga.schemas.config import load_config, parse_config, write_config
 from mcp_saga.schemas.events import STEP_META_KEY, WORKFLOW_META_KEY, StepCompleted, decode_entry
 from mcp_saga.schemas.keys import Keys
@@ -438,6 +439,12 @@ async def test_resources_prompts_and_progress_are_forwarded(tmp_path: Path, redi
             assert result.structured_content == {"counted": 3}
             assert seen == [(1, 3, "at 1"), (2, 3, "at 2"), (3, 3, "at 3")]
             await _list_changed_is_relayed(f"http://127.0.0.1:{port}/mcp/extras")
+            # Who the upstream sees: the gateway and the workers introduce themselves by our names.
+            async with Client(f"http://127.0.0.1:{port}/mcp/extras") as through:
+                seen_as = await through.call_tool("whoami", {}, meta={WORKFLOW_META_KEY: "wf-who"})
+            assert seen_as.structured_content["name"] == GATEWAY_CLIENT
+            with SessionPool({"extras": load_config(config).servers["extras"]}) as pool:
+                assert pool.call_tool("extras", "whoami")["structuredContent"]["name"] == WORKER_CLIENT
         finally:
             stop(gateway)
 
