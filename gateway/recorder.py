@@ -150,10 +150,12 @@ class Recorder:
             await asyncio.sleep(every)
 
     def idle(self, older_than: float) -> list[str]:
+        """Workflows without a call for `older_than` seconds, ended or not: the sweeper's to settle and forget."""
         cutoff = time.monotonic() - older_than
-        return [wf for wf, state in self.workflows.items() if not state.ended and state.last_seen < cutoff]
+        return [wf for wf, state in self.workflows.items() if state.last_seen < cutoff]
 
     def forget(self, workflow: str) -> None:
+        """Drop what the gateway holds for a workflow, except one that must keep refusing calls."""
         state = self.workflows.get(workflow)
         if state is not None and (state.tail is None or state.tail.done()) and state.lost is None:
             del self.workflows[workflow]

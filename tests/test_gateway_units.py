@@ -107,8 +107,8 @@ class FlakyRedis:
         return True
 
 
-def _fields(step: str) -> dict[bytes, bytes]:
-    return step_entry("wf", step, "payments", "charge_payment", {"n": 1}, {"structuredContent": {"id": step}})
+def _fields(step: str, workflow: str = "wf") -> dict[bytes, bytes]:
+    return step_entry(workflow, step, "payments", "charge_payment", {"n": 1}, {"structuredContent": {"id": step}})
 
 
 def test_a_failed_write_is_retried_in_order() -> None:
@@ -142,3 +142,25 @@ def test_a_step_never_written_refuses_its_workflow_and_redis_down_refuses_all() 
         await recorder.admit("other")  # healed: admitted again
 
     asyncio.run(run())
+
+
+def test_idle_workflows_get_the_policy_once_and_are_forgotten() -> None:
+    async def run() -> FlakyRedis:
+        redis = FlakyRedis(failures=0)
+        recorder = Recorder(redis)  # type: ignore[arg-type]
+        recorder.step("idle-wf", "a", _fields("a", "idle-wf"))
+        await recorder.admit("ended-wf")
+        await recorder.complete("ended-wf")
+        assert set(recorder.idle(0.0)) == {"idle-wf", "ended-wf"}
+        for workflow in recorder.idle(0.0):
+            await recorder.apply_policy(workflow, "fail", "idle")
+            recorder.forget(workflow)
+        assert recorder.workflows == {}  # memory stays bounded
+        return redis
+
+    added = [decode_entry("0-0", f) for f in asyncio.run(run()).added]
+    by_workflow: dict[str, list[str]] = {}
+    for event in added:  # order is kept per workflow (steps before the terminal event), not across them
+        by_workflow.setdefault(event.workflow, []).append(event.type)
+    assert by_workflow == {"idle-wf": ["step-completed", "workflow-failed"], "ended-wf": ["workflow-completed"]}
+    assert added[-1].data.steps_completed == 1 and "idle" in added[-1].data.reason
