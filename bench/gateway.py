@@ -51,6 +51,12 @@ async def measure(direct_url: str, gateway_url: str, calls: int, rounds: int) ->
     return times
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (Linux /proc), to say what the gateway itself costs per call."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def timings(redis_url: str, *, calls: int, rounds: int) -> dict[str, list[float]]:
     import redis
     from mcp_saga.cli.procs import free_port, saga_process, start_http_server, stop, wait_until_accepting
@@ -63,7 +69,11 @@ def timings(redis_url: str, *, calls: int, rounds: int) -> dict[str, list[float]
         gateway = saga_process("gateway", redis_url=redis_url, config=config, env={"SAGA_LOG_LEVEL": "WARNING"})
         try:
             wait_until_accepting("127.0.0.1", port, gateway)
-            return asyncio.run(measure(upstream, f"http://127.0.0.1:{port}/mcp/bench", calls, rounds))
+            before = cpu_seconds(gateway.pid)
+            times = asyncio.run(measure(upstream, f"http://127.0.0.1:{port}/mcp/bench", calls, rounds))
+            # Calls through the gateway: the warm-up round and `rounds` measured ones.
+            times["gateway_cpu"] = [(cpu_seconds(gateway.pid) - before) / (calls * (rounds + 1))]
+            return times
         finally:
             stop(gateway)
             client = redis.Redis.from_url(redis_url)
@@ -96,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'through gateway ms':22}{through * 1000:10.3f}")
     print(f"{'overhead ms':22}{(through - direct) * 1000:10.3f}")
     print(f"{'ratio':22}{through / direct:10.3f}")
+    print(f"{'gateway CPU ms/call':22}{times['gateway_cpu'][0] * 1000:10.3f}")
 
 
 if __name__ == "__main__":
