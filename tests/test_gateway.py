@@ -171,6 +171,11 @@ async def test_without_a_token_nothing_is_reachable(world: World) -> None:
         # A name outside the registry is no endpoint, whatever the client asks for.
         response = await http.post(f"{world.gateway}/mcp/stranger", headers={"Authorization": f"Bearer {TOKEN}"})
         assert response.status_code == 404
+    # An endpoint reaches only its own server: inventory's tool is unknown at /mcp/payments.
+    before = read_state(world.dbs["inventory"])["effects"]
+    async with connect(world.url("payments"), {"Saga-Workflow": "order-cross"}) as payments:
+        crossed = await payments.call_tool("reserve_inventory", {"sku": "W-9", "quantity": 1})
+    assert crossed.is_error and read_state(world.dbs["inventory"])["effects"] == before
 
 
 async def test_session_is_the_workflow_and_its_end_fails_it(world: World) -> None:
