@@ -489,3 +489,24 @@ def test_stdio_gateway_is_one_session_and_its_end_applies_the_policy(world: Worl
     assert settled(world, workflow) == "compensated"  # on_session_end = "fail" in this config
     changes = [e["change"] for e in read_state(world.dbs["payments"])["effects"] if e["holding"] == transaction]
     assert changes == ["charged", "refunded"]
+
+
+async def test_pagination_cursors_pass_through(tmp_path: Path, redis_url: str) -> None:
+    port = free_port()
+    with start_http_servers(("tests.gateway_paged",)) as [(_, upstream)]:
+        settings = {"servers": {"paged": {"url": upstream}}, "gateway": {"port": port, "allow_anonymous": True}}
+        config = write_config(parse_config({"prefix": "gwp", **settings}), tmp_path / "saga.toml")
+        gateway = saga_process("gateway", redis_url=redis_url, config=config, log=tmp_path / "gateway.log")
+        try:
+            wait_until_accepting("127.0.0.1", port, gateway)
+            async with Client(f"http://127.0.0.1:{port}/mcp/paged") as client:
+                pages, cursor = [], None
+                while True:
+                    page = await client.list_tools(cursor=cursor)
+                    pages.append([tool.name for tool in page.tools])
+                    cursor = page.next_cursor
+                    if not cursor:
+                        break
+            assert pages == [["tool_0", "tool_1"], ["tool_2", "tool_3"], ["tool_4"]]
+        finally:
+            stop(gateway)
