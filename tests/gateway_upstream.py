@@ -6,7 +6,9 @@ python -m tests.gateway_upstream --http PORT [--host HOST]
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+import anyio
 from mcp.server.mcpserver import Context, MCPServer
 
 app = MCPServer("extras", log_level="WARNING")
@@ -29,6 +31,18 @@ async def count(to: int, ctx: Context) -> dict[str, int]:
     for n in range(1, to + 1):
         await ctx.report_progress(n, to, f"at {n}")
     return {"counted": to}
+
+
+@app.tool()
+async def hold(marker: str) -> str:
+    """Wait until cancelled, leaving `marker`.started and then `marker`.cancelled as evidence."""
+    Path(marker + ".started").touch()
+    try:
+        await anyio.sleep(60)
+    except anyio.get_cancelled_exc_class():
+        Path(marker + ".cancelled").touch()
+        raise
+    return "not cancelled"
 
 
 @app.tool()

@@ -444,6 +444,7 @@ async def test_resources_prompts_and_progress_are_forwarded(tmp_path: Path, redi
             assert result.structured_content == {"counted": 3}
             assert seen == [(1, 3, "at 1"), (2, 3, "at 2"), (3, 3, "at 3")]
             await _list_changed_is_relayed(f"http://127.0.0.1:{port}/mcp/extras")
+            await _cancellation_reaches_the_upstream(f"http://127.0.0.1:{port}/mcp/extras", tmp_path / "hold")
             # Who the upstream sees: the gateway and the workers introduce themselves by our names.
             async with Client(f"http://127.0.0.1:{port}/mcp/extras") as through:
                 seen_as = await through.call_tool("whoami", {}, meta={WORKFLOW_META_KEY: "wf-who"})
@@ -452,6 +453,26 @@ async def test_resources_prompts_and_progress_are_forwarded(tmp_path: Path, redi
                 assert pool.call_tool("extras", "whoami")["structuredContent"]["name"] == WORKER_CLIENT
         finally:
             stop(gateway)
+
+
+async def _cancellation_reaches_the_upstream(url: str, marker: Path) -> None:
+    async with Client(url) as client:
+        call = asyncio.ensure_future(
+            client.call_tool("hold", {"marker": str(marker)}, meta={WORKFLOW_META_KEY: "wf-c"})
+        )
+        started, cancelled = Path(f"{marker}.started"), Path(f"{marker}.cancelled")
+        for _ in range(400):
+            if started.exists():
+                break
+            await asyncio.sleep(0.025)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+    for _ in range(400):  # the client's cancel reaches the gateway, whose abandoned upstream call is cancelled
+        if cancelled.exists():
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError("the upstream tool was never cancelled")
 
 
 async def _list_changed_is_relayed(url: str) -> None:
