@@ -22,15 +22,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, get_args
 
 import redis.asyncio as aioredis
-from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, checked_entry, clip, step_completed, workflow_failed
+from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, clip, step_entry, workflow_failed
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
 from mcp_saga.schemas.events import (
-    MAX_DATA_BYTES,
     FailedStep,
     WorkflowCompleted,
     check_step_id,
     check_workflow_id,
-    encode_payload,
 )
 from redis import Redis as SyncRedis
 from redis.asyncio.retry import Retry
@@ -281,17 +279,7 @@ class Workflow:
             annotations = {k: v for k, v in declaration.annotations.items() if k != "recovery"} or None
         recovery = self._overlay(server, tool) or recovery
         wire = result.model_dump(by_alias=True, mode="json", exclude_none=True)
-        payload = step_completed(step, server, tool, arguments, wire, recovery, annotations)
-        try:
-            fields = checked_entry(self.id, payload)
-        except ValueError:
-            # Over the size cap, the text mirror of structuredContent is what can go: bindings read the latter.
-            oversize = len(encode_payload(payload)) > MAX_DATA_BYTES
-            if not oversize or "structuredContent" not in wire or "content" not in wire:
-                raise
-            wire = {k: v for k, v in wire.items() if k != "content"}
-            fields = checked_entry(self.id, step_completed(step, server, tool, arguments, wire, recovery, annotations))
-        self._write(step, fields)
+        self._write(step, step_entry(self.id, step, server, tool, arguments, wire, recovery, annotations))
 
     def _write(self, step: str, fields: dict[bytes, bytes]) -> None:
         """XADD in a task chained after the previous one: stream order is completion order, and the

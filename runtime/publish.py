@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from mcp_saga.schemas.events import (
+    MAX_DATA_BYTES,
     TEXT_MAX,
     FailedStep,
     Payload,
@@ -105,6 +106,29 @@ def checked_entry(workflow: str, payload: Payload) -> dict[bytes, bytes]:
     except ValueError as exc:
         raise ValueError(f"refusing to publish {payload.TYPE} for {workflow[:80]!r}: {exc}") from None
     return fields
+
+
+def step_entry(
+    workflow: str,
+    step: str,
+    server: str,
+    tool: str,
+    arguments: Mapping[str, Any] | None,
+    result: dict[str, Any],
+    recovery: Mapping[str, Any] | None = None,
+    annotations: Mapping[str, Any] | None = None,
+) -> dict[bytes, bytes]:
+    """The checked entry of a step-completed, without the text mirror of `structuredContent` if that
+    is what puts it over the size cap (bindings read `structuredContent`); ValueError if still too big."""
+    payload = step_completed(step, server, tool, arguments, result, recovery, annotations)
+    try:
+        return checked_entry(workflow, payload)
+    except ValueError:
+        oversize = len(encode_payload(payload)) > MAX_DATA_BYTES
+        if not oversize or "structuredContent" not in result or "content" not in result:
+            raise
+        lean = {k: v for k, v in result.items() if k != "content"}
+        return checked_entry(workflow, step_completed(step, server, tool, arguments, lean, recovery, annotations))
 
 
 def _encode(payload: Payload) -> bytes:

@@ -130,6 +130,32 @@ class ConsoleSettings(_Strict):
     poll_seconds: float = Field(default=1.0, ge=0.2, le=60)
     # Seconds an action waits for the coordinator to apply it before the page says "pending".
     action_wait: float = Field(default=3.0, ge=0, le=30)
+SessionPolicy = Literal["leave", "complete", "fail"]
+
+
+class GatewaySettings(_Strict):
+    """`saga gateway`: where it listens, how clients authenticate, what ends a workflow nobody ended."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8100, ge=0, le=65_535)
+    # Name of the environment variable holding the bearer token (the token itself never sits in a file).
+    # The HTTP side refuses to start without it unless `allow_anonymous` says so (loopback only).
+    token_env: str = Field(default="SAGA_GATEWAY_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+    allow_anonymous: bool = False
+    # `saga_fail` / `saga_complete` tools offered to the agent next to the server's own.
+    tools: bool = False
+    # What to publish for a workflow whose session ends, or that goes idle, with no signal.
+    on_session_end: SessionPolicy = "leave"
+    on_idle: SessionPolicy = "leave"
+    idle_timeout: float = Field(default=3600.0, gt=0, description="seconds without a call before on_idle applies")
+    # A step whose XADD fails is retried this long before its workflow refuses further calls.
+    publish_retry_for: float = Field(default=10.0, ge=0)
+
+    @model_validator(mode="after")
+    def _anonymous_on_loopback(self) -> GatewaySettings:
+        if self.allow_anonymous and self.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError("allow_anonymous is only allowed with a loopback host")
+        return self
 
 
 class Config(_Strict):
@@ -139,6 +165,7 @@ class Config(_Strict):
     coordinator: CoordinatorSettings = Field(default_factory=CoordinatorSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     console: ConsoleSettings = Field(default_factory=ConsoleSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
     @field_validator("servers")
     @classmethod

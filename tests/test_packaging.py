@@ -38,7 +38,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_the_wheel_installs_one_import_root(installed: Path) -> None:
     roots = {p.name for p in installed.iterdir() if not p.name.endswith(".dist-info")}
     assert roots == {"mcp_saga"}
-    for part in ("schemas", "runtime", "coordinator", "workers", "orchestrator", "cli", "examples", "console"):
+    parts = ("schemas", "runtime", "coordinator", "workers", "orchestrator", "cli", "examples", "gateway", "console")
+    for part in parts:
         assert (installed / "mcp_saga" / part / "__init__.py").is_file(), part
     assert list((installed / "mcp_saga" / "coordinator" / "lua").glob("*.lua")), "Lua scripts are package data"
     assert list((installed / "mcp_saga" / "schemas" / "json").glob("*.json")), "JSON Schemas are package data"
