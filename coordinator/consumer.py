@@ -13,16 +13,15 @@ import signal
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
-from mcp_saga.coordinator.store import Store
+from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, index_item
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry
-from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, Keys
+from mcp_saga.schemas.keys import Keys
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -31,7 +30,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 log = get_logger("coordinator")
 
 Entry = tuple[bytes, dict[bytes, bytes]]
-DeadEntry = tuple[bytes, dict[bytes, bytes], str]  # id, original fields, reason
 Groups = dict[str, list[tuple[Event, dict[bytes, bytes]]]]
 MAX_CONFLICT_RETRIES = 20
 # Longest pause between attempts while Redis is unreachable (restart, failover, network).
@@ -145,18 +143,23 @@ class Coordinator:
             return result
         now = time.time()
         groups, dead = self._decode(entries)
-        created = self._record_fresh_steps(groups, now)
+        fresh = self._record_fresh_steps(groups, now)
         committed, contended, conflicts = self._fold(groups, now, dead)
         if os.environ.get("SAGA_TEST_CRASH_AFTER_COMMIT"):  # fault injection for the crash tests
             os._exit(70)
         result.jobs = self._dispatch(committed, ensure=redelivered)
-        unacked = {e.id for items in contended.values() for e, _ in items}
-        ack = [i for i, _ in entries if i.decode() not in unacked]
-        self.store.follow_up(
-            committed,
-            {v.workflow: self.machine.next_deadline(v) for v in committed if v.full},
-            [self._index_created(created), self._dead_letters(dead), self._ack(ack)],
-        )
+        # The indexes say what the committed states say: re-derived for every workflow this batch
+        # touched (so a redelivery repairs what a crash after the commit left undone), and for the
+        # fast path's workflows when they were created or the entries are redelivered.
+        items = [index_item(v, self.machine.next_deadline(v) if v.full else None, v.full) for v in committed]
+        items += [
+            (w, f"{rec.created_at:.6f}", rec.version, "running", f"{rec.created_at:.6f}", "")
+            for w, rec in fresh.items()
+            if rec.created or redelivered
+        ]
+        self.store.follow_up(items, committed, dead)
+        unacked = {e.id for items_ in contended.values() for e, _ in items_}
+        self.store.settle(committed, [i for i, _ in entries if i.decode() not in unacked])
         result.conflicts, result.dead = conflicts, len(dead)
         for view in committed:
             result.statuses[view.workflow] = view.state.status
@@ -216,34 +219,26 @@ class Coordinator:
             log.error("gave up on contended workflows this batch", workflows=sorted(pending))
         return committed, pending, conflicts
 
-    def _record_fresh_steps(self, groups: Groups, now: float) -> list[str]:
+    def _record_fresh_steps(self, groups: Groups, now: float) -> dict[str, Recorded]:
         """The common case without a read: steps of running workflows, recorded by one script each.
 
         Removes what it recorded from `groups`; a workflow that turns out not to be running stays
-        there for the compare-and-set path. Returns the workflows this created.
+        there for the compare-and-set path. Returns what was recorded, per workflow.
         """
         batches = {}
         for workflow, items in groups.items():
             if all(isinstance(e.data, StepCompleted) for e, _ in items):
                 steps = []
                 for event, _ in items:
-                    comp, entries = self.machine.plan_step(workflow, event.data, 0, False, now, event.id)  # type: ignore[arg-type]
+                    comp, entries = self.machine.plan_step(workflow, event.data, 0, False, now, event.id, event.repairs)  # type: ignore[arg-type]
                     steps.append((comp, event.raw, entries))
                 batches[workflow] = steps
-        created = []
+        recorded = {}
         for workflow, outcome in (self.store.record_steps(batches, now) if batches else {}).items():
             if outcome is not None:
                 del groups[workflow]
-                if outcome[0]:
-                    created.append(workflow)
-        return created
-
-    def _index_created(self, workflows: list[str]) -> Callable:
-        def add(pipe) -> None:  # type: ignore[no-untyped-def]
-            if workflows:
-                pipe.zadd(self.keys.index("running"), {w: time.time() for w in workflows})
-
-        return add
+                recorded[workflow] = outcome
+        return recorded
 
     def _load(self, groups: Groups) -> dict[str, WorkflowView]:
         wanted = {}
@@ -279,49 +274,58 @@ class Coordinator:
                 )
         return queued
 
-    def _dead_letters(self, dead: list[DeadEntry]) -> Callable:
-        def add(pipe) -> None:  # type: ignore[no-untyped-def]
-            for entry_id, fields, reason in dead:
-                # Original fields kept under their own names; ours prefixed so they never collide.
-                record = {DEAD_REASON: reason.encode(), DEAD_ID: entry_id, DEAD_AT: f"{time.time():.3f}"}
-                record.update({k: v for k, v in fields.items() if not k.startswith(b"dead.")})
-                pipe.xadd(self.keys.dead_letter, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
-
-        return add
-
-    def _ack(self, ids: list[bytes]) -> Callable:
-        def ack(pipe) -> None:  # type: ignore[no-untyped-def]
-            if ids:
-                pipe.xack(self.keys.events, self.keys.group, *ids)
-
-        return ack
-
     # Watchdog and housekeeping ------------------------------------------------------------
 
     def watch(self) -> int:
-        """Look at workflows whose barrier or dispatch deadline passed."""
+        """Look at workflows whose barrier or silence deadline passed.
+
+        Before the machine decides, two facts outside the workflow's keys are read: which of its
+        due compensations still have a worker's lease (a call in flight: not silent), and, for an
+        expiring barrier, whether an entry of the workflow is still pending in the consumer group
+        (a coordinator died or stalls holding a step: the barrier waits for its claim).
+        """
         now = time.time()
         due = self.store.due(now)
         if not due:
             return 0
         views = self.store.load({w: (True, ()) for w in due})
-        live = []
-        for workflow, view in views.items():
-            if not view.state.version:
-                self.redis.zrem(self.keys.deadlines, workflow)
-                continue
-            self.machine.tick(view, now)
-            live.append(view)
+        gone = [w for w, v in views.items() if not v.state.version]
+        if gone:
+            self.redis.zrem(self.keys.deadlines, *gone)
+        live = [v for v in views.values() if v.state.version]
+        leased = self.store.leased({v.workflow: self.machine.due_steps(v, now) for v in live})
+        barriers = {v.workflow for v in live if self.machine.barrier_due(v, now)}
+        held = self._pending_workflows() & barriers if barriers else set()
+        for view in live:
+            self.machine.tick(view, now, leased.get(view.workflow, set()), hold_barrier=view.workflow in held)
+            if view.workflow in held:
+                log.info("barrier held: an entry of the workflow is still pending", workflow=view.workflow)
         dirty = [v for v in live if v.dirty]
         oks = self.store.commit(dirty) if dirty else []
         lost = {v.workflow for v, ok in zip(dirty, oks, strict=True) if not ok}
         committed = [v for v in live if v.workflow not in lost]
         self._dispatch(committed, ensure=False)
-        self.store.follow_up(committed, {v.workflow: self.machine.next_deadline(v) for v in committed}, [])
+        self.store.follow_up([index_item(v, self.machine.next_deadline(v), True) for v in committed], committed, [])
+        self.store.settle(committed, [])
         return len(committed)
 
+    def _pending_workflows(self, limit: int = 10_000) -> set[str]:
+        """Workflows with an entry delivered to some coordinator and not acknowledged yet."""
+        rows = self.redis.xpending_range(self.keys.events, self.keys.group, min="-", max="+", count=limit)
+        if not rows:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for row in rows:
+            pipe.xrange(self.keys.events, row["message_id"], row["message_id"], count=1)
+        return {
+            fields[b"workflow"].decode(errors="replace")
+            for found in pipe.execute()
+            for _, fields in found
+            if fields.get(b"workflow")
+        }
+
     def housekeeping(self) -> None:
-        removed = self.store.collect_garbage()
+        removed = self.store.collect_garbage(time.time())
         trimmed = self.trim_events()
         if removed or trimmed:
             log.info("housekeeping", index_entries_removed=removed, events_trimmed=trimmed)
