@@ -24,6 +24,7 @@ from mcp_saga.cli import render
 from mcp_saga.cli.args import CliError, config_of, redis_url
 from mcp_saga.runtime import operators
 from mcp_saga.runtime.reader import Reader, decode_fields, state_fields
+from mcp_saga.runtime.redis_checks import inspect_redis
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.keys import STATUSES, Keys
 from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
@@ -346,7 +347,9 @@ def cmd_stats(ops: Ops) -> int:
         name: getattr(queue, f"{name}_job_registry").get_job_count(cleanup=False)
         for name in ("started", "scheduled", "deferred", "failed")
     }
+    facts = inspect_redis(ops.r)
     stats = {
+        "redis": msgspec.to_builtins(facts),
         "workflows": counts,
         "queue": {"name": keys.queue, **depth},
         "events": {"length": events, "groups": groups},
@@ -357,6 +360,17 @@ def cmd_stats(ops: Ops) -> int:
         render.emit_json(stats)
         return 0
     out = render.console()
+    unknown = "unknown (CONFIG disabled)"
+    out.print(
+        render.pairs(
+            "redis",
+            [
+                ("eviction policy", facts.eviction_policy or unknown),
+                ("persistence", facts.persistence or unknown),
+            ],
+            skip_empty=False,
+        )
+    )
     out.print(render.pairs("workflows by status", stats["workflows"].items(), skip_empty=False))
     out.print(render.pairs(f"RQ queue {keys.queue!r}", depth.items(), skip_empty=False))
     out.print(

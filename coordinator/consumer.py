@@ -19,9 +19,10 @@ from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
 from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, index_item
 from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.redis_checks import check_redis
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry
-from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.keys import STATUSES, Keys
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -34,6 +35,39 @@ Groups = dict[str, list[tuple[Event, dict[bytes, bytes]]]]
 MAX_CONFLICT_RETRIES = 20
 # Longest pause between attempts while Redis is unreachable (restart, failover, network).
 MAX_OUTAGE_BACKOFF = 2.0
+# Longest pause while Redis refuses writes (OOM, read-only replica, failed persistence).
+MAX_REFUSAL_BACKOFF = 5.0
+# Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
+HEALING = ("OOM", "NOGROUP", "READONLY", "MISCONF", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING")
+
+
+def healing_condition(exc: ResponseError) -> str | None:
+    """The condition a Redis error reports, when it is one to wait out instead of exiting on."""
+    word = str(exc).split(" ", 1)[0]
+    return word if word in HEALING else None
+
+
+class RateLimitedLog:
+    """One warning per condition every `every` seconds, with how many were held back meanwhile."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def note(self, condition: str, error: str, retry_in: float) -> None:
+        now = time.monotonic()
+        last, held = self._last.get(condition, (float("-inf"), 0))
+        if now - last < self.every:
+            self._last[condition] = (last, held + 1)
+            return
+        self._last[condition] = (now, 0)
+        log.warning(
+            "redis refused a write; nothing acknowledged, retrying",
+            condition=condition,
+            error=error[:200],
+            retry_in=retry_in,
+            repeats_held_back=held,
+        )
 
 
 @dataclass
@@ -59,6 +93,7 @@ class Coordinator:
         self._next_claim = 0.0
         self._next_watch = 0.0
         self._next_housekeeping = time.monotonic() + 10
+        self._refused = RateLimitedLog()
 
     # Process lifetime ---------------------------------------------------------------------
 
@@ -77,12 +112,19 @@ class Coordinator:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         started, delay = False, 0.0
+        checked = False
         while not self.stopping:
             try:
+                if not checked:
+                    check_redis(self.redis, allow_eviction=self.config.redis.allow_eviction, log=log)
+                    for warning in self.config.warnings():
+                        log.warning("config trade-off", detail=warning)
+                    checked = True
                 if not started:
                     self.ensure_group()
                     log.info("coordinator started", consumer=self.name, stream=self.keys.events, group=self.keys.group)
-                    # Our own pending entries first (a restart under the same name), then new ones.
+                    # Our own pending entries first (a restart under the same name, or a batch
+                    # Redis refused half-way), then new ones.
                     self.process(self._read("0"), redelivered=True)
                     started = True
                 self.step()
@@ -93,8 +135,37 @@ class Coordinator:
                 delay = min(MAX_OUTAGE_BACKOFF, delay * 2 or 0.05)
                 log.warning("redis unreachable; retrying", error=str(exc), retry_in=delay)
                 time.sleep(delay)
+            except ResponseError as exc:
+                condition = healing_condition(exc)
+                if condition is None:
+                    raise
+                # Nothing of the batch was acknowledged: it is read again (own pending, "0") once
+                # Redis accepts writes. The log says so at most every few seconds.
+                started = False
+                delay = min(MAX_REFUSAL_BACKOFF, delay * 2 or 0.1)
+                if condition == "NOGROUP":
+                    self._group_vanished()
+                else:
+                    self._refused.note(condition, str(exc), delay)
+                time.sleep(delay)
         log.info("coordinator stopped", consumer=self.name)
         return 0
+
+    def _group_vanished(self) -> None:
+        """Say loudly what was lost when the group disappeared (flushed, evicted, deleted)."""
+        try:
+            length = self.redis.xlen(self.keys.events)
+            workflows = sum(self.redis.zcard(self.keys.index(s)) for s in STATUSES)
+        except ResponseError:
+            length, workflows = -1, -1
+        log.error(
+            "the consumer group vanished: DATA WAS LOST (flushed, evicted or deleted). Events not yet "
+            "handled are gone unless still in the stream, which the re-created group reads from its start",
+            stream=self.keys.events,
+            group=self.keys.group,
+            entries_left=length,
+            workflows_indexed=workflows,
+        )
 
     def step(self) -> BatchResult:
         """One turn of the loop: a claim or a read, then the watchdog and housekeeping when due."""

@@ -323,7 +323,7 @@ def _fit_struct(
 def _fit_value(tp: Any, value: Any, notes: list[str], path: str, kind: str, why: str) -> Any:
     for option in _options(tp):
         base, limit = _text_limit(option)
-        if base is str and isinstance(value, str) and limit is not None:
+        if base is str and isinstance(value, str) and limit in (TEXT_MAX, BY_MAX):  # free text, not names
             notes.append(f"{path}: {len(value)} characters, cut to {limit}")
             return cut_text(value, limit)
         if isinstance(option, type) and issubclass(option, Struct) and isinstance(value, dict):

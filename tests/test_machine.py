@@ -45,7 +45,8 @@ def step(name: str, server: str = "inventory", tool: str = "reserve_inventory", 
 
 @pytest.fixture
 def machine() -> Machine:
-    return Machine(parse_config({"coordinator": {"barrier_grace": 5, "watchdog_after": 10}}))
+    coordinator = {"barrier_grace": 5, "watchdog_after": 10, "claim_idle_ms": 1000}
+    return Machine(parse_config({"coordinator": coordinator, "worker": {"backoff_max": 5}}))
 
 
 def fold(machine: Machine, view: WorkflowView, *payloads, now: float = 100.0) -> WorkflowView:
