@@ -25,7 +25,7 @@ from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_e
 from mcp_saga.schemas.keys import STATUSES, Keys
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = get_logger("coordinator")
@@ -42,7 +42,15 @@ HEALING = ("OOM", "NOGROUP", "READONLY", "MISCONF", "BUSY", "TRYAGAIN", "CLUSTER
 
 
 def healing_condition(exc: ResponseError) -> str | None:
-    """The condition a Redis error reports, when it is one to wait out instead of exiting on."""
+    """The condition a Redis error reports, when it is one to wait out instead of exiting on.
+
+    redis-py strips the prefix of the errors it has a class for (OOM, READONLY) and keeps the
+    others' (NOGROUP, MISCONF, ...) in the message.
+    """
+    if isinstance(exc, OutOfMemoryError):
+        return "OOM"
+    if isinstance(exc, ReadOnlyError):
+        return "READONLY"
     word = str(exc).split(" ", 1)[0]
     return word if word in HEALING else None
 
@@ -98,7 +106,19 @@ class Coordinator:
     # Process lifetime ---------------------------------------------------------------------
 
     def ensure_group(self) -> None:
-        """Create the group from the stream's start, so events published before any coordinator count."""
+        """Create the group from the stream's start, so events published before any coordinator count.
+
+        Looked up first: creating is a write, which a Redis out of memory refuses even when the
+        group exists, and a coordinator must be able to start (and wait) under OOM.
+        """
+        try:
+            if any(
+                g["name"] in (self.keys.group, self.keys.group.encode())
+                for g in self.redis.xinfo_groups(self.keys.events)
+            ):
+                return
+        except ResponseError:  # no stream yet
+            pass
         try:
             self.redis.xgroup_create(self.keys.events, self.keys.group, id="0", mkstream=True)
         except ResponseError as exc:

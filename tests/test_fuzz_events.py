@@ -270,6 +270,7 @@ def broken_entry(draw: st.DrawFn, wf: str) -> Scenario:
         f = fields("step-completed", wf, enc({**step_data(step), key: value}))
         optional = key in ("arguments", "recovery", "annotations", "completedAt")  # left out, noted
         repaired = optional and bool(STEP_RE.fullmatch(step))
+    elif how == "step-bad-id":
         f = fields("step-completed", wf, enc(step_data(draw(bad_step_ids)), ascii_only=draw(st.booleans())))
     else:  # failed-wrong-type
         key, value = draw(
