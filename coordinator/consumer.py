@@ -37,6 +37,8 @@ MAX_CONFLICT_RETRIES = 20
 MAX_OUTAGE_BACKOFF = 2.0
 # Longest pause while Redis refuses writes (OOM, read-only replica, failed persistence).
 MAX_REFUSAL_BACKOFF = 5.0
+# Workflows whose step count a coordinator remembers for the fast path (see _record_fresh_steps).
+STEP_COUNT_CACHE = 100_000
 # Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
 HEALING = ("OOM", "NOGROUP", "READONLY", "MISCONF", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING")
 
@@ -102,6 +104,7 @@ class Coordinator:
         self._next_watch = 0.0
         self._next_housekeeping = time.monotonic() + 10
         self._refused = RateLimitedLog()
+        self._step_counts: dict[str, int] = {}
 
     # Process lifetime ---------------------------------------------------------------------
 
@@ -236,6 +239,8 @@ class Coordinator:
         groups, dead = self._decode(entries)
         fresh = self._record_fresh_steps(groups, now)
         committed, contended, conflicts = self._fold(groups, now, dead)
+        for view in committed:
+            self._remember_steps(view.workflow, view.state.steps if view.state.status == "running" else None)
         if os.environ.get("SAGA_TEST_CRASH_AFTER_COMMIT"):  # fault injection for the crash tests
             os._exit(70)
         result.jobs = self._dispatch(committed, ensure=redelivered)
@@ -313,23 +318,46 @@ class Coordinator:
     def _record_fresh_steps(self, groups: Groups, now: float) -> dict[str, Recorded]:
         """The common case without a read: steps of running workflows, recorded by one script each.
 
-        Removes what it recorded from `groups`; a workflow that turns out not to be running stays
-        there for the compare-and-set path. Returns what was recorded, per workflow.
+        The steps are planned here by the machine, numbered from the step count this coordinator
+        last saw for the workflow (0 for one it never saw); the script writes them only if that
+        count still holds. Removes what it recorded from `groups`; the rest stays there for the
+        compare-and-set path. Returns what was recorded, per workflow.
         """
         batches = {}
         for workflow, items in groups.items():
-            if all(isinstance(e.data, StepCompleted) for e, _ in items):
-                steps = []
-                for event, _ in items:
-                    comp, entries = self.machine.plan_step(workflow, event.data, 0, False, now, event.id, event.repairs)  # type: ignore[arg-type]
-                    steps.append((comp, event.raw, entries))
-                batches[workflow] = steps
+            names = [e.data.step for e, _ in items if isinstance(e.data, StepCompleted)]
+            if len(names) != len(items) or len(set(names)) != len(names):
+                continue
+            base = self._step_counts.get(workflow, 0)
+            steps = []
+            for n, (event, _) in enumerate(items):
+                comp, entries = self.machine.plan_step(
+                    workflow,
+                    event.data,  # type: ignore[arg-type]
+                    base + n,
+                    False,
+                    now,
+                    event.id,
+                    event.repairs,
+                )
+                steps.append((comp, event.raw, entries))
+            batches[workflow] = (base, steps)
         recorded = {}
         for workflow, outcome in (self.store.record_steps(batches, now) if batches else {}).items():
             if outcome is not None:
                 del groups[workflow]
                 recorded[workflow] = outcome
+                self._remember_steps(workflow, batches[workflow][0] + outcome.steps)
         return recorded
+
+    def _remember_steps(self, workflow: str, count: int | None) -> None:
+        """The step count the fast path numbers a workflow's next steps from (None: forget it)."""
+        if count is None:
+            self._step_counts.pop(workflow, None)
+            return
+        if len(self._step_counts) >= STEP_COUNT_CACHE and workflow not in self._step_counts:
+            self._step_counts.clear()  # a guess, not a fact: losing it costs one compare-and-set
+        self._step_counts[workflow] = count
 
     def _load(self, groups: Groups) -> dict[str, WorkflowView]:
         wanted = {}

@@ -130,21 +130,21 @@ class Store:
         return msgspec.json.encode([{**o, "id": f"{base}/{n}"} for n, o in enumerate(view.outcomes)])
 
     def record_steps(
-        self, batches: dict[str, list[tuple[Compensation, bytes, list[dict[str, str]]]]], now: float
+        self, batches: dict[str, tuple[int, list[tuple[Compensation, bytes, list[dict[str, str]]]]]], now: float
     ) -> dict[str, Recorded | None]:
         """Record new steps of workflows believed running, without loading them first.
 
-        workflow -> what was recorded, or None where the workflow is not running after all (the
-        caller then folds those events through the compare-and-set path).
+        workflow -> (the step count the records were numbered from, the planned steps). Returns
+        what was recorded, or None where the expectation did not hold (not running, other steps
+        recorded meanwhile, a step already recorded): nothing was written, and the caller folds
+        those events through the compare-and-set path.
         """
         pipe = self.redis.pipeline(transaction=False)
         ttl = self.settings.idle_ttl
-        for workflow, steps in batches.items():
-            args: list[str | bytes | int] = [f"{now:.6f}", ttl, LOG_MAXLEN, len(steps)]
+        for workflow, (expected, steps) in batches.items():
+            args: list[str | bytes | int] = [f"{now:.6f}", ttl, LOG_MAXLEN, expected, len(steps)]
             for comp, raw, entries in steps:
-                record = comp_encoder.encode(comp)
-                assert record.startswith(b'{"step":"%s","seq":0,' % comp.step.encode())  # what the script patches
-                args += (comp.step, record, raw, len(entries))
+                args += (comp.step, comp_encoder.encode(comp), raw, len(entries))
                 for entry in entries:
                     args.append(len(entry))
                     for k, v in entry.items():
@@ -152,8 +152,8 @@ class Store:
             self._record_steps(keys=self.keys.workflow_keys(workflow), args=args, client=pipe)
         replies = pipe.execute()
         return {
-            workflow: None if reply == -1 else Recorded(bool(reply[0]), int(reply[1]), int(reply[2]), float(reply[3]))
-            for workflow, reply in zip(batches, replies, strict=True)
+            workflow: Recorded(bool(reply[1]), len(steps), int(reply[2]), float(reply[3])) if reply[0] else None
+            for (workflow, (_, steps)), reply in zip(batches.items(), replies, strict=True)
         }
 
     def follow_up(self, items: list[IndexItem], views: list[WorkflowView], dead: list[DeadEntry]) -> None:
