@@ -200,8 +200,12 @@ def _text(fields: dict[bytes, bytes], name: str) -> str:
         raise InvalidEvent(f"field {name!r} is not valid UTF-8") from None
 
 
-def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
-    """Validate one stream entry against the contract, or say precisely why it does not fit."""
+def decode_entry(entry_id: str, fields: dict[bytes, bytes], *, strict: bool = False) -> Event:
+    """Validate one stream entry against the contract, or say precisely why it does not fit.
+
+    The coordinator repairs what keeps its meaning (see `_repaired`); a publisher checks with
+    `strict`, so that it never writes an entry that needs repair.
+    """
     kind = _text(fields, "type")
     decoder = _DECODERS.get(kind)
     if decoder is None:
@@ -224,9 +228,13 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
     repairs: tuple[str, ...] = ()
     try:
         if len(raw) > MAX_DATA_BYTES:
+            if strict:
+                raise InvalidEvent(f"data is {len(raw)} bytes, over the {MAX_DATA_BYTES}-byte cap")
             raise msgspec.ValidationError("over the cap")
         data = decoder.decode(raw)
     except msgspec.ValidationError as exc:
+        if strict:
+            raise InvalidEvent(f"{kind} data: {exc}") from None
         # Well-formed JSON that breaks a field's rule: keep what the event means when it can be
         # kept (a failure must still start the unwind), else dead-letter it with msgspec's reason.
         data, raw, repairs = _repaired(kind, raw, str(exc))
