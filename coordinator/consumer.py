@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
 from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, index_item
+from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.redis_checks import check_redis
 from mcp_saga.schemas.config import Config
-from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry
+from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry, stream_id
 from mcp_saga.schemas.keys import STATUSES, Keys
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -241,8 +242,7 @@ class Coordinator:
         committed, contended, conflicts = self._fold(groups, now, dead)
         for view in committed:
             self._remember_steps(view.workflow, view.state.steps if view.state.status == "running" else None)
-        if os.environ.get("SAGA_TEST_CRASH_AFTER_COMMIT"):  # fault injection for the crash tests
-            os._exit(70)
+        fail_point("coordinator.after-commit")
         result.jobs = self._dispatch(committed, ensure=redelivered)
         # The indexes say what the committed states say: re-derived for every workflow this batch
         # touched (so a redelivery repairs what a crash after the commit left undone), and for the
@@ -468,14 +468,9 @@ class Coordinator:
                 floor.append(_next_id(last.decode() if isinstance(last, bytes) else last))
         if not floor:
             return 0
-        return self.redis.xtrim(self.keys.events, minid=min(floor, key=_id_key), approximate=False)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
+        return self.redis.xtrim(self.keys.events, minid=min(floor, key=stream_id), approximate=False)
 
 
 def _next_id(entry_id: str) -> str:
-    ms, seq = _id_key(entry_id)
+    ms, seq = stream_id(entry_id)
     return f"{ms}-{seq + 1}"

@@ -8,7 +8,6 @@ consumer group vanished; a failure with an over-long reason was dead-lettered wh
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import redis
 from mcp_saga.cli.redis_server import RedisServer, find_redis_server
 from mcp_saga.coordinator.consumer import Coordinator
 from mcp_saga.runtime.reader import Reader
-from mcp_saga.schemas.config import Config, parse_config
+from mcp_saga.schemas.config import Config, dump_config, parse_config
 from mcp_saga.schemas.events import StepCompleted, WorkflowFailed, entry_fields
 from mcp_saga.schemas.keys import STATUSES, Keys
 from mcp_saga.schemas.records import comp_decoder, state_from_hash
@@ -60,21 +59,8 @@ RECOVERY = {
 
 
 def toml(data: dict[str, Any]) -> str:
-    """TOML of a validated config dict (tables of scalars and lists: JSON literals are TOML)."""
-    parse_config(data)  # the test's own config must pass the start-up checks it relies on
-    lines: list[str] = []
-
-    def table(prefix: str, values: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in values.items() if not isinstance(v, dict)}
-        if scalars:
-            lines.append(f"[{prefix}]")
-            lines.extend(f"{k} = {json.dumps(v)}" for k, v in scalars.items())
-        for k, v in values.items():
-            if isinstance(v, dict):
-                table(f"{prefix}.{k}" if prefix else k, v)
-
-    table("", data)
-    return "\n".join(line for line in lines if line != "[]") + "\n"
+    """The TOML a process reads, built from the config model (so it passes the start-up checks)."""
+    return dump_config(parse_config(data))
 
 
 def step(name: str, server: str = "svc", recovery: dict | None = RECOVERY) -> StepCompleted:
