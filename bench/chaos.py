@@ -73,6 +73,8 @@ class Settings:
     server_restarts: int = 1
     redis_restarts: int = 1
     crashes_after_call: int = 2  # extra workers that die between a compensation call and its report
+    stalls: int = 2  # SIGSTOPs of coordinators (resumed later), and as many of workers mid-call
+    stall_seconds: float = 6.0  # longer than claim_idle_ms and the lease: claims and the watchdog step in
     min_steps: int = 3
     max_steps: int = 5
     fail_share: float = 0.4  # share of workflows that fail, at a random step
@@ -120,6 +122,8 @@ class Report:
     worker_kills_mid_job: int = 0
     server_restarts: int = 0
     redis_restarts: int = 0
+    coordinator_stalls: int = 0
+    worker_stalls: int = 0
     unexpected_exits: int = 0
     injected_errors: int = 0
     transport_errors: int = 0  # compensation calls that got no answer (the server restart)
@@ -163,6 +167,11 @@ class Report:
                 f"{self.coordinator_kills} coordinator, {self.worker_kills} worker "
                 f"({self.worker_kills_mid_job} mid-job), SIGKILL; {self.crashes_after_call} workers died "
                 "between a call and its report",
+            ),
+            (
+                "stalls survived",
+                f"{self.coordinator_stalls} coordinator, {self.worker_stalls} worker (mid-call when one was busy), "
+                "SIGSTOP then SIGCONT",
             ),
             ("server restarts", str(self.server_restarts)),
             ("redis restarts", f"{self.redis_restarts} (append-only file on)"),
@@ -464,6 +473,8 @@ class Cluster:
         self.busy_kills = 0
         self.crashes = 0
         self.doomed: list[Doomed] = []
+        self.stalls: Counter[str] = Counter()
+        self._stopped: list[tuple[float, list[int]]] = []  # (when to resume, pids)
         self._names: dict[int, str] = {}
         self.config = workdir / "saga.toml"
 
@@ -534,6 +545,28 @@ class Cluster:
         self.busy_kills += busy
         self.out(f"  SIGKILL {kind} (pid {victim.pid}{', mid-job' if busy else ''}); replacement started")
 
+    def stall(self, kind: str) -> None:
+        """SIGSTOP one live process of `kind` (a worker while it runs a compensation, when one does)
+        and SIGCONT it `stall_seconds` later: a process that hangs and comes back, not one that dies."""
+        victim = (self._busy_worker() if kind == "worker" else None) or self.rng.choice(self.procs[kind])
+        pids = [victim.pid, *descendants(victim.pid)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        self._stopped.append((time.monotonic() + self.settings.stall_seconds, pids))
+        self.stalls[kind] += 1
+        self.out(f"  SIGSTOP {kind} (pid {victim.pid}) for {self.settings.stall_seconds:g} s")
+
+    def resume(self, everything: bool = False) -> None:
+        """SIGCONT the stalled processes whose time is up (all of them when stopping)."""
+        now = time.monotonic()
+        for entry in list(self._stopped):
+            if everything or now >= entry[0]:
+                for pid in entry[1]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+                self._stopped.remove(entry)
+
     def _busy_worker(self, within: float = 1.0) -> subprocess.Popen[bytes] | None:
         by_name = {self._names[p.pid]: p for p in self.procs["worker"]}
         r = redis.Redis.from_url(self.url)
@@ -594,6 +627,7 @@ class Cluster:
 
     def check(self) -> None:
         """A coordinator or worker that exited without being killed is a finding; restart it anyway."""
+        self.resume()
         for doomed in self.doomed:
             if doomed.proc.poll() is None:
                 doomed.children = descendants(doomed.proc.pid)  # its scheduler, to stop once it is orphaned
@@ -609,6 +643,7 @@ class Cluster:
                     procs[i] = self._spawn(kind)
 
     def stop(self) -> None:
+        self.resume(everything=True)
         for doomed in self.doomed:
             children = doomed.children + descendants(doomed.proc.pid)
             _terminate(doomed.proc)
@@ -971,6 +1006,9 @@ def schedule(settings: Settings, rng: random.Random) -> list[tuple[float, str]]:
         plan.append((0.5 + 0.3 * i / max(1, settings.redis_restarts), "redis"))
     for i in range(settings.crashes_after_call):
         plan.append((0.2 + 0.5 * i / max(1, settings.crashes_after_call), "crash-after-call"))
+    for i in range(settings.stalls):
+        for kind in ("coordinator", "worker"):
+            plan.append((0.15 + 0.6 * i / max(1, settings.stalls), f"stall:{kind}"))
     return sorted(plan)
 
 
@@ -1028,6 +1066,8 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
                     cluster.restart_server(fault.removeprefix("server:"))
                 elif fault == "crash-after-call":
                     cluster.spawn_doomed()
+                elif fault.startswith("stall:"):
+                    cluster.stall(fault.removeprefix("stall:"))
                 else:
                     cluster.kill(fault)
                 if not publishing:
@@ -1096,6 +1136,8 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
         report.crashes_after_call = cluster.crashes
         report.server_restarts = cluster.restarts["server"]
         report.redis_restarts = cluster.restarts["redis"]
+        report.coordinator_stalls = cluster.stalls["coordinator"]
+        report.worker_stalls = cluster.stalls["worker"]
         report.unexpected_exits = len(cluster.unexpected)
         report.violations += [f"unexpected exit: {u}" for u in cluster.unexpected]
         report.wall_seconds = time.monotonic() - started

@@ -273,7 +273,9 @@ def breakdown(redis: Redis, entries: list[dict[str, bytes | str]], config: Confi
         (coord.machine, "apply", "fold: Machine.apply (planning)"),
         (coord.store, "commit", "commit: EVALSHA apply.lua"),
         (coord, "_dispatch", "dispatch: RQ enqueue"),
-        (coord.store, "follow_up", "follow-up: index, deadlines, XACK"),
+        (coord.store, "record_steps", "record: EVALSHA record_steps.lua"),
+        (coord.store, "follow_up", "follow-up: index.lua, outcomes, dead letters"),
+        (coord.store, "settle", "settle: outbox LREM + XACK"),
     ]
     original = consumer.decode_entry
     for owner, name, stage in stages:

@@ -16,6 +16,7 @@ from mcp_saga.cli import render
 from mcp_saga.cli.args import CliError, Ops, add_command, positive, with_redis
 from mcp_saga.runtime import operators
 from mcp_saga.runtime.reader import WorkflowSnapshot, decode_fields, state_fields
+from mcp_saga.runtime.redis_checks import inspect_redis
 from mcp_saga.schemas.keys import STATUSES
 from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
 from redis.exceptions import ResponseError
@@ -219,7 +220,9 @@ def cmd_stats(ops: Ops) -> int:
     except ResponseError:  # no stream yet: nothing was ever published
         groups = []
     depth = ops.reader.queue_depth()
+    facts = inspect_redis(ops.r)
     stats = {
+        "redis": msgspec.to_builtins(facts),
         "workflows": counts,
         "queue": {"name": keys.queue, **depth},
         "events": {"length": events, "groups": groups},
@@ -230,6 +233,9 @@ def cmd_stats(ops: Ops) -> int:
         render.emit_json(stats)
         return 0
     out = render.console()
+    unknown = "unknown (CONFIG disabled)"
+    redis_rows = [("eviction policy", facts.eviction_policy or unknown), ("persistence", facts.persistence or unknown)]
+    out.print(render.pairs("redis", redis_rows, skip_empty=False))
     out.print(render.pairs("workflows by status", stats["workflows"].items(), skip_empty=False))
     out.print(render.pairs(f"RQ queue {keys.queue!r}", depth.items(), skip_empty=False))
     out.print(

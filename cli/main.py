@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from mcp_saga.cli import act, check, console, demo, gateway, look
 from mcp_saga.cli.args import CliError, config_of, redis_url
 from mcp_saga.runtime.logs import configure
+from mcp_saga.runtime.redis_checks import RedisSetupError
 from mcp_saga.schemas.config import ConfigError
 
 Command = Callable[[argparse.Namespace], int]
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure()
     try:
         return args.run(args)
-    except (CliError, ConfigError) as exc:
+    except (CliError, ConfigError, RedisSetupError) as exc:
         print(f"saga {args.command}: {exc}", file=sys.stderr)
         return 2
 

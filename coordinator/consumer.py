@@ -13,30 +13,72 @@ import signal
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
-from mcp_saga.coordinator.store import Store
+from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, index_item
 from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.redis_checks import check_redis
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry, stream_id
-from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, Keys
+from mcp_saga.schemas.keys import STATUSES, Keys
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = get_logger("coordinator")
 
 Entry = tuple[bytes, dict[bytes, bytes]]
-DeadEntry = tuple[bytes, dict[bytes, bytes], str]  # id, original fields, reason
 Groups = dict[str, list[tuple[Event, dict[bytes, bytes]]]]
 MAX_CONFLICT_RETRIES = 20
 # Longest pause between attempts while Redis is unreachable (restart, failover, network).
 MAX_OUTAGE_BACKOFF = 2.0
+# Longest pause while Redis refuses writes (OOM, read-only replica, failed persistence).
+MAX_REFUSAL_BACKOFF = 5.0
+# Workflows whose step count a coordinator remembers for the fast path (see _record_fresh_steps).
+STEP_COUNT_CACHE = 100_000
+# Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
+HEALING = ("OOM", "NOGROUP", "READONLY", "MISCONF", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING")
+
+
+def healing_condition(exc: ResponseError) -> str | None:
+    """The condition a Redis error reports, when it is one to wait out instead of exiting on.
+
+    redis-py strips the prefix of the errors it has a class for (OOM, READONLY) and keeps the
+    others' (NOGROUP, MISCONF, ...) in the message.
+    """
+    if isinstance(exc, OutOfMemoryError):
+        return "OOM"
+    if isinstance(exc, ReadOnlyError):
+        return "READONLY"
+    word = str(exc).split(" ", 1)[0]
+    return word if word in HEALING else None
+
+
+class RateLimitedLog:
+    """One warning per condition every `every` seconds, with how many were held back meanwhile."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def note(self, condition: str, error: str, retry_in: float) -> None:
+        now = time.monotonic()
+        last, held = self._last.get(condition, (float("-inf"), 0))
+        if now - last < self.every:
+            self._last[condition] = (last, held + 1)
+            return
+        self._last[condition] = (now, 0)
+        log.warning(
+            "redis refused a write; nothing acknowledged, retrying",
+            condition=condition,
+            error=error[:200],
+            retry_in=retry_in,
+            repeats_held_back=held,
+        )
 
 
 @dataclass
@@ -62,11 +104,25 @@ class Coordinator:
         self._next_claim = 0.0
         self._next_watch = 0.0
         self._next_housekeeping = time.monotonic() + 10
+        self._refused = RateLimitedLog()
+        self._step_counts: dict[str, int] = {}
 
     # Process lifetime ---------------------------------------------------------------------
 
     def ensure_group(self) -> None:
-        """Create the group from the stream's start, so events published before any coordinator count."""
+        """Create the group from the stream's start, so events published before any coordinator count.
+
+        Looked up first: creating is a write, which a Redis out of memory refuses even when the
+        group exists, and a coordinator must be able to start (and wait) under OOM.
+        """
+        try:
+            if any(
+                g["name"] in (self.keys.group, self.keys.group.encode())
+                for g in self.redis.xinfo_groups(self.keys.events)
+            ):
+                return
+        except ResponseError:  # no stream yet
+            pass
         try:
             self.redis.xgroup_create(self.keys.events, self.keys.group, id="0", mkstream=True)
         except ResponseError as exc:
@@ -80,12 +136,19 @@ class Coordinator:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         started, delay = False, 0.0
+        checked = False
         while not self.stopping:
             try:
+                if not checked:
+                    check_redis(self.redis, allow_eviction=self.config.redis.allow_eviction, log=log)
+                    for warning in self.config.warnings():
+                        log.warning("config trade-off", detail=warning)
+                    checked = True
                 if not started:
                     self.ensure_group()
                     log.info("coordinator started", consumer=self.name, stream=self.keys.events, group=self.keys.group)
-                    # Our own pending entries first (a restart under the same name), then new ones.
+                    # Our own pending entries first (a restart under the same name, or a batch
+                    # Redis refused half-way), then new ones.
                     self.process(self._read("0"), redelivered=True)
                     started = True
                 self.step()
@@ -96,8 +159,37 @@ class Coordinator:
                 delay = min(MAX_OUTAGE_BACKOFF, delay * 2 or 0.05)
                 log.warning("redis unreachable; retrying", error=str(exc), retry_in=delay)
                 time.sleep(delay)
+            except ResponseError as exc:
+                condition = healing_condition(exc)
+                if condition is None:
+                    raise
+                # Nothing of the batch was acknowledged: it is read again (own pending, "0") once
+                # Redis accepts writes. The log says so at most every few seconds.
+                started = False
+                delay = min(MAX_REFUSAL_BACKOFF, delay * 2 or 0.1)
+                if condition == "NOGROUP":
+                    self._group_vanished()
+                else:
+                    self._refused.note(condition, str(exc), delay)
+                time.sleep(delay)
         log.info("coordinator stopped", consumer=self.name)
         return 0
+
+    def _group_vanished(self) -> None:
+        """Say loudly what was lost when the group disappeared (flushed, evicted, deleted)."""
+        try:
+            length = self.redis.xlen(self.keys.events)
+            workflows = sum(self.redis.zcard(self.keys.index(s)) for s in STATUSES)
+        except ResponseError:
+            length, workflows = -1, -1
+        log.error(
+            "the consumer group vanished: DATA WAS LOST (flushed, evicted or deleted). Events not yet "
+            "handled are gone unless still in the stream, which the re-created group reads from its start",
+            stream=self.keys.events,
+            group=self.keys.group,
+            entries_left=length,
+            workflows_indexed=workflows,
+        )
 
     def step(self) -> BatchResult:
         """One turn of the loop: a claim or a read, then the watchdog and housekeeping when due."""
@@ -146,17 +238,24 @@ class Coordinator:
             return result
         now = time.time()
         groups, dead = self._decode(entries)
-        created = self._record_fresh_steps(groups, now)
+        fresh = self._record_fresh_steps(groups, now)
         committed, contended, conflicts = self._fold(groups, now, dead)
+        for view in committed:
+            self._remember_steps(view.workflow, view.state.steps if view.state.status == "running" else None)
         fail_point("coordinator.after-commit")
         result.jobs = self._dispatch(committed, ensure=redelivered)
-        unacked = {e.id for items in contended.values() for e, _ in items}
-        ack = [i for i, _ in entries if i.decode() not in unacked]
-        self.store.follow_up(
-            committed,
-            {v.workflow: self.machine.next_deadline(v) for v in committed if v.full},
-            [self._index_created(created), self._dead_letters(dead), self._ack(ack)],
-        )
+        # The indexes say what the committed states say: re-derived for every workflow this batch
+        # touched (so a redelivery repairs what a crash after the commit left undone), and for the
+        # fast path's workflows when they were created or the entries are redelivered.
+        items = [index_item(v, self.machine.next_deadline(v) if v.full else None, v.full) for v in committed]
+        items += [
+            (w, f"{rec.created_at:.6f}", rec.version, "running", f"{rec.created_at:.6f}", "")
+            for w, rec in fresh.items()
+            if rec.created or redelivered
+        ]
+        self.store.follow_up(items, committed, dead)
+        unacked = {e.id for items_ in contended.values() for e, _ in items_}
+        self.store.settle(committed, [i for i, _ in entries if i.decode() not in unacked])
         result.conflicts, result.dead = conflicts, len(dead)
         for view in committed:
             result.statuses[view.workflow] = view.state.status
@@ -216,34 +315,49 @@ class Coordinator:
             log.error("gave up on contended workflows this batch", workflows=sorted(pending))
         return committed, pending, conflicts
 
-    def _record_fresh_steps(self, groups: Groups, now: float) -> list[str]:
+    def _record_fresh_steps(self, groups: Groups, now: float) -> dict[str, Recorded]:
         """The common case without a read: steps of running workflows, recorded by one script each.
 
-        Removes what it recorded from `groups`; a workflow that turns out not to be running stays
-        there for the compare-and-set path. Returns the workflows this created.
+        The steps are planned here by the machine, numbered from the step count this coordinator
+        last saw for the workflow (0 for one it never saw); the script writes them only if that
+        count still holds. Removes what it recorded from `groups`; the rest stays there for the
+        compare-and-set path. Returns what was recorded, per workflow.
         """
         batches = {}
         for workflow, items in groups.items():
-            if all(isinstance(e.data, StepCompleted) for e, _ in items):
-                steps = []
-                for event, _ in items:
-                    comp, entries = self.machine.plan_step(workflow, event.data, 0, False, now, event.id)  # type: ignore[arg-type]
-                    steps.append((comp, event.raw, entries))
-                batches[workflow] = steps
-        created = []
+            names = [e.data.step for e, _ in items if isinstance(e.data, StepCompleted)]
+            if len(names) != len(items) or len(set(names)) != len(names):
+                continue
+            base = self._step_counts.get(workflow, 0)
+            steps = []
+            for n, (event, _) in enumerate(items):
+                comp, entries = self.machine.plan_step(
+                    workflow,
+                    event.data,  # type: ignore[arg-type]
+                    base + n,
+                    False,
+                    now,
+                    event.id,
+                    event.repairs,
+                )
+                steps.append((comp, event.raw, entries))
+            batches[workflow] = (base, steps)
+        recorded = {}
         for workflow, outcome in (self.store.record_steps(batches, now) if batches else {}).items():
             if outcome is not None:
                 del groups[workflow]
-                if outcome[0]:
-                    created.append(workflow)
-        return created
+                recorded[workflow] = outcome
+                self._remember_steps(workflow, batches[workflow][0] + outcome.steps)
+        return recorded
 
-    def _index_created(self, workflows: list[str]) -> Callable:
-        def add(pipe) -> None:  # type: ignore[no-untyped-def]
-            if workflows:
-                pipe.zadd(self.keys.index("running"), {w: time.time() for w in workflows})
-
-        return add
+    def _remember_steps(self, workflow: str, count: int | None) -> None:
+        """The step count the fast path numbers a workflow's next steps from (None: forget it)."""
+        if count is None:
+            self._step_counts.pop(workflow, None)
+            return
+        if len(self._step_counts) >= STEP_COUNT_CACHE and workflow not in self._step_counts:
+            self._step_counts.clear()  # a guess, not a fact: losing it costs one compare-and-set
+        self._step_counts[workflow] = count
 
     def _load(self, groups: Groups) -> dict[str, WorkflowView]:
         wanted = {}
@@ -279,49 +393,58 @@ class Coordinator:
                 )
         return queued
 
-    def _dead_letters(self, dead: list[DeadEntry]) -> Callable:
-        def add(pipe) -> None:  # type: ignore[no-untyped-def]
-            for entry_id, fields, reason in dead:
-                # Original fields kept under their own names; ours prefixed so they never collide.
-                record = {DEAD_REASON: reason.encode(), DEAD_ID: entry_id, DEAD_AT: f"{time.time():.3f}"}
-                record.update({k: v for k, v in fields.items() if not k.startswith(b"dead.")})
-                pipe.xadd(self.keys.dead_letter, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
-
-        return add
-
-    def _ack(self, ids: list[bytes]) -> Callable:
-        def ack(pipe) -> None:  # type: ignore[no-untyped-def]
-            if ids:
-                pipe.xack(self.keys.events, self.keys.group, *ids)
-
-        return ack
-
     # Watchdog and housekeeping ------------------------------------------------------------
 
     def watch(self) -> int:
-        """Look at workflows whose barrier or dispatch deadline passed."""
+        """Look at workflows whose barrier or silence deadline passed.
+
+        Before the machine decides, two facts outside the workflow's keys are read: which of its
+        due compensations still have a worker's lease (a call in flight: not silent), and, for an
+        expiring barrier, whether an entry of the workflow is still pending in the consumer group
+        (a coordinator died or stalls holding a step: the barrier waits for its claim).
+        """
         now = time.time()
         due = self.store.due(now)
         if not due:
             return 0
         views = self.store.load({w: (True, ()) for w in due})
-        live = []
-        for workflow, view in views.items():
-            if not view.state.version:
-                self.redis.zrem(self.keys.deadlines, workflow)
-                continue
-            self.machine.tick(view, now)
-            live.append(view)
+        gone = [w for w, v in views.items() if not v.state.version]
+        if gone:
+            self.redis.zrem(self.keys.deadlines, *gone)
+        live = [v for v in views.values() if v.state.version]
+        leased = self.store.leased({v.workflow: self.machine.due_steps(v, now) for v in live})
+        barriers = {v.workflow for v in live if self.machine.barrier_due(v, now)}
+        held = self._pending_workflows() & barriers if barriers else set()
+        for view in live:
+            self.machine.tick(view, now, leased.get(view.workflow, set()), hold_barrier=view.workflow in held)
+            if view.workflow in held:
+                log.info("barrier held: an entry of the workflow is still pending", workflow=view.workflow)
         dirty = [v for v in live if v.dirty]
         oks = self.store.commit(dirty) if dirty else []
         lost = {v.workflow for v, ok in zip(dirty, oks, strict=True) if not ok}
         committed = [v for v in live if v.workflow not in lost]
         self._dispatch(committed, ensure=False)
-        self.store.follow_up(committed, {v.workflow: self.machine.next_deadline(v) for v in committed}, [])
+        self.store.follow_up([index_item(v, self.machine.next_deadline(v), True) for v in committed], committed, [])
+        self.store.settle(committed, [])
         return len(committed)
 
+    def _pending_workflows(self, limit: int = 10_000) -> set[str]:
+        """Workflows with an entry delivered to some coordinator and not acknowledged yet."""
+        rows = self.redis.xpending_range(self.keys.events, self.keys.group, min="-", max="+", count=limit)
+        if not rows:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for row in rows:
+            pipe.xrange(self.keys.events, row["message_id"], row["message_id"], count=1)
+        return {
+            fields[b"workflow"].decode(errors="replace")
+            for found in pipe.execute()
+            for _, fields in found
+            if fields.get(b"workflow")
+        }
+
     def housekeeping(self) -> None:
-        removed = self.store.collect_garbage()
+        removed = self.store.collect_garbage(time.time())
         trimmed = self.trim_events()
         if removed or trimmed:
             log.info("housekeeping", index_entries_removed=removed, events_trimmed=trimmed)

@@ -18,6 +18,7 @@ import msgspec
 from mcp_saga.coordinator.planner import plan_step
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import (
+    TEXT_MAX,
     CompensationFailed,
     CompensationRefused,
     CompensationSucceeded,
@@ -27,6 +28,7 @@ from mcp_saga.schemas.events import (
     StepCompleted,
     WorkflowCompleted,
     WorkflowFailed,
+    cut_text,
     stream_id,
 )
 from mcp_saga.schemas.operators import operator_refusal
@@ -40,6 +42,11 @@ def timeline_entry(kind: str, now: float, step: str | None = None, **detail: obj
         entry["step"] = step
     entry.update({k: str(v) for k, v in detail.items() if v is not None and v != ""})
     return entry
+
+
+def _repairs(repairs: tuple[str, ...]) -> str:
+    """What decoding cut or left out of an event, for its timeline note."""
+    return cut_text("; ".join(repairs), TEXT_MAX)
 
 
 class Rejected(Exception):
@@ -58,6 +65,9 @@ class WorkflowView:
     log: list[dict[str, str]] = field(default_factory=list)
     outcomes: list[dict[str, str]] = field(default_factory=list)
     jobs: list[CompensationJob] = field(default_factory=list)
+    # Outcomes committed into the workflow's outbox and not yet written to `saga:outcomes` (JSON
+    # items; the store fills and empties this, the machine never reads it).
+    outbox: list[bytes | str] = field(default_factory=list)
     loaded_version: int = 0
     loaded_status: str | None = None
     # Bumped by every recorded change, so a transition can tell whether an event changed anything.
@@ -112,6 +122,10 @@ class Machine:
             if isinstance(data, Report | OperatorCommand):
                 raise Rejected(f"{event.type} for unknown workflow {view.workflow!r}")
             view.state = WorkflowState(status="running", created_at=now)
+        if event.repairs and not isinstance(data, StepCompleted):  # a step's plan notes its own
+            view.note(
+                "event-repaired", now, getattr(data, "step", None), event=event.type, detail=_repairs(event.repairs)
+            )
         match data:
             case StepCompleted():
                 self._step(view, event, data, now)
@@ -127,39 +141,81 @@ class Machine:
         if before is None or snapshot != (view.changes, msgspec.structs.asdict(view.state)):
             self._touch(view, before, now)
 
-    def tick(self, view: WorkflowView, now: float) -> None:
-        """The watchdog's look at a workflow: an expired barrier, a dispatch nobody reported on."""
+    def tick(
+        self,
+        view: WorkflowView,
+        now: float,
+        leased: frozenset[str] | set[str] = frozenset(),
+        *,
+        hold_barrier: bool = False,
+    ) -> None:
+        """The watchdog's look at a workflow: an expired barrier, a compensation gone silent.
+
+        `leased` names the steps whose lease key exists (a worker holds it while a call is in
+        flight). A compensation is silent when, for `watchdog_after` seconds, no report of its
+        current dispatch arrived and its lease does not exist; only a silent one is dispatched again.
+        `hold_barrier`: an entry of this workflow is still pending in the consumer group, so an
+        announced step may be on its way; the barrier does not expire yet.
+        """
         state = view.state
         before, changes = state.status, view.changes
-        if state.status == "failed" and state.barrier_deadline and now >= state.barrier_deadline:
-            state.barrier_expired = True
-            view.note(
-                "barrier-expired",
-                now,
-                detail=f"{state.expected_steps - state.steps} announced step(s) never arrived; unwinding the rest",
-            )
-            self._unwind(view, now)
-        for comp in view.comps.values():
-            if comp.status in IN_FLIGHT and now - comp.queued_at >= self.settings.watchdog_after:
-                view.note(
-                    "watchdog-redispatch",
-                    now,
-                    comp.step,
-                    detail=f"no report for {now - comp.queued_at:.0f}s after dispatch {comp.dispatch}",
-                    key=comp.idempotency_key,
+        if self.barrier_due(view, now) and not hold_barrier:
+            self._expire_barrier(view, now)
+        for comp in list(view.comps.values()):
+            if comp.status not in IN_FLIGHT or now < self.silent_until(comp):
+                continue
+            if comp.step in leased:  # a call in flight: not silent, look again later
+                comp.heard_at = now
+                view.put(comp, now)
+                continue
+            if comp.spent >= self.attempts:
+                # Every attempt was used and the last one never reported (its worker died after
+                # the call): dispatching again would exceed the budget the operator configured.
+                comp.status = "failed"
+                comp.last_error = f"no report after attempt {comp.spent} of {self.attempts}" + (
+                    f"; last error: {comp.last_error}" if comp.last_error else ""
                 )
-                self._dispatch(view, comp, now)
+                view.put(comp, now)
+                view.note("compensation-failed", now, comp.step, error=comp.last_error, dispatch=comp.dispatch)
+                self._outcome(view, "compensation-failed", now, comp.step, "failed", comp.last_error)
+                continue
+            view.note(
+                "watchdog-redispatch",
+                now,
+                comp.step,
+                detail=f"no report and no lease for {now - max(comp.queued_at, comp.heard_at):.0f}s "
+                f"in dispatch {comp.dispatch} ({comp.spent} of {self.attempts} attempts used)",
+                key=comp.idempotency_key,
+            )
+            self._dispatch(view, comp, now)
         self.advance(view, now)
         if view.changes != changes or view.state.status != before:
             self._touch(view, before, now)
+
+    @staticmethod
+    def barrier_due(view: WorkflowView, now: float) -> bool:
+        state = view.state
+        return state.status == "failed" and bool(state.barrier_deadline) and now >= state.barrier_deadline
+
+    @property
+    def attempts(self) -> int:
+        return self.config.worker.attempts
+
+    def silent_until(self, comp: Compensation) -> float:
+        """When an in-flight compensation counts as silent unless its lease is alive."""
+        return max(comp.queued_at, comp.heard_at) + self.settings.watchdog_after
+
+    def due_steps(self, view: WorkflowView, now: float) -> list[str]:
+        """Steps whose silence the watchdog must confirm (their lease checked) before `tick`."""
+        return [c.step for c in view.comps.values() if c.status in IN_FLIGHT and now >= self.silent_until(c)]
 
     def next_deadline(self, view: WorkflowView) -> float | None:
         """When the watchdog must look at this workflow again (None: nothing to watch)."""
         state = view.state
         if state.status == "failed" and state.barrier_deadline:
             return state.barrier_deadline
-        queued = [c.queued_at for c in view.comps.values() if c.status in IN_FLIGHT]
-        return min(queued) + self.settings.watchdog_after if queued else None
+        silent = [self.silent_until(c) for c in view.comps.values() if c.status in IN_FLIGHT]
+        return min(silent) if silent else None
 
     # Transitions -------------------------------------------------------------------------
 
@@ -171,7 +227,7 @@ class Machine:
             self._step_after_completion(view, event, data, now)
             return
         late = state.status in UNWINDING
-        comp, entries = self.plan_step(view.workflow, data, state.steps, late, now, event.id)
+        comp, entries = self.plan_step(view.workflow, data, state.steps, late, now, event.id, event.repairs)
         view.put(comp, now)
         view.new_steps.append(event.raw)
         state.steps += 1
@@ -192,7 +248,14 @@ class Machine:
         view.note("late-step", now, data.step, tool=data.tool, plan=comp.status, reason=comp.reason)
 
     def plan_step(
-        self, workflow: str, data: StepCompleted, seq: int, late: bool, now: float, event_id: str = ""
+        self,
+        workflow: str,
+        data: StepCompleted,
+        seq: int,
+        late: bool,
+        now: float,
+        event_id: str = "",
+        repairs: tuple[str, ...] = (),
     ) -> tuple[Compensation, list[dict[str, str]]]:
         """A step's compensation plan and the timeline entries that record it (also for the fast path)."""
         plan = plan_step(workflow, data, seq, self.config.overlay(data.server, data.tool), now)
@@ -216,6 +279,10 @@ class Machine:
                 )
             )
         entries += [timeline_entry("overlay-override", now, data.step, detail=note) for note in plan.notes]
+        if repairs:
+            entries.append(
+                timeline_entry("event-repaired", now, data.step, event=StepCompleted.TYPE, detail=_repairs(repairs))
+            )
         return comp, entries
 
     def _failed(self, view: WorkflowView, data: WorkflowFailed, now: float) -> None:
@@ -241,9 +308,19 @@ class Machine:
                 f"{state.expected_steps - state.steps} more step(s)",
             )
             if self.settings.barrier_grace == 0:
-                self.tick(view, now)
+                self._expire_barrier(view, now)
         else:
             self._unwind(view, now)
+
+    def _expire_barrier(self, view: WorkflowView, now: float) -> None:
+        state = view.state
+        state.barrier_expired = True
+        view.note(
+            "barrier-expired",
+            now,
+            detail=f"{state.expected_steps - state.steps} announced step(s) never arrived; unwinding the rest",
+        )
+        self._unwind(view, now)
 
     def _unwind(self, view: WorkflowView, now: float) -> None:
         view.state.status = "compensating"
@@ -283,6 +360,7 @@ class Machine:
         if isinstance(data, CompensationSucceeded):
             comp.status = "succeeded"
             comp.attempts += 1
+            comp.spent += 1
             comp.last_error = None
             view.put(comp, now)
             view.note("compensation-succeeded", now, data.step, **detail)
@@ -293,6 +371,8 @@ class Machine:
             return
         comp.attempt = data.attempt
         comp.attempts += 1
+        comp.spent += 1
+        comp.heard_at = now  # an attempt report: the dispatch is alive, silence counts from here
         if isinstance(data, CompensationRefused):
             comp.status = data.status
             comp.reason = data.reason
@@ -327,8 +407,8 @@ class Machine:
         for comp in targets:
             if operator_refusal(command, comp) is not None:
                 continue
-            if command == "retry":
-                comp.status, comp.reason, comp.last_error = "pending", None, None
+            if command == "retry":  # a fresh budget of attempts: the operator judged the cause fixed
+                comp.status, comp.reason, comp.last_error, comp.spent = "pending", None, None, 0
             elif command in ("resolve", "skip"):
                 comp.status = "resolved" if command == "resolve" else "skipped"
             else:
@@ -390,6 +470,7 @@ class Machine:
         comp.dispatch += 1
         comp.attempt = 0
         comp.queued_at = now
+        comp.heard_at = 0.0
         view.put(comp, now)
         view.jobs.append(self.job_for(view.workflow, comp))
         view.note(
@@ -418,6 +499,7 @@ class Machine:
             approved=comp.approved,
             prefix=self.prefix,
             seq=comp.seq,
+            attempts_used=comp.spent,
         )
 
     def _touch(self, view: WorkflowView, before: str | None, now: float) -> None:

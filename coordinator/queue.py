@@ -40,8 +40,15 @@ def queue_for(connection: Redis, name: str) -> Queue:
 
 
 def enqueue(queue: Queue, job: CompensationJob, settings: WorkerSettings) -> bool:
-    """Queue one dispatch of a compensation; False when that dispatch is already queued or ran."""
-    retry = Retry(max=settings.attempts - 1, interval=backoff_intervals(settings)) if settings.attempts > 1 else None
+    """Queue one dispatch of a compensation; False when that dispatch is already queued or ran.
+
+    A re-dispatch continues the compensation's budget: it gets only the attempts (and the later,
+    longer backoff intervals) that earlier dispatches left unused, so a slow server is called at
+    most `attempts` times per compensation, however often the watchdog steps in.
+    """
+    retries = max(0, settings.attempts - 1 - job.attempts_used)
+    intervals = backoff_intervals(settings)[settings.attempts - 1 - retries :]
+    retry = Retry(max=retries, interval=intervals) if retries else None
     try:
         queue.enqueue(
             JOB_FUNCTION,

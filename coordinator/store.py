@@ -1,23 +1,46 @@
 """Reading workflow views from Redis and committing transitions: the coordinator's only I/O on state.
 
 Reads and writes are pipelined per batch of events: one round trip loads every workflow the batch
-touches, one commits every transition (a compare-and-set Lua script per workflow), one performs
-the follow-ups that live outside the workflow's slot (indexes, outcomes, watchdog deadlines).
+touches, one commits every transition (a compare-and-set Lua script per workflow, which also puts
+the transition's outcomes in the workflow's own outbox), one performs the follow-ups that live
+outside the workflow's slot (indexes and deadlines by one script, outcomes, dead letters), and only
+when all of that was accepted does one more empty the outboxes and acknowledge the entries.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from importlib import resources
+from typing import NamedTuple
 
+import msgspec
 from mcp_saga.coordinator.machine import WorkflowView
 from mcp_saga.runtime.reader import decode_records
 from mcp_saga.schemas.config import CoordinatorSettings
-from mcp_saga.schemas.keys import STATUSES, Keys
+from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, STATUSES, Keys
 from mcp_saga.schemas.records import Compensation, comp_decoder, comp_encoder, state_from_hash
 from redis import Redis
 
 LOG_MAXLEN = 10_000
+DeadEntry = tuple[bytes, dict[bytes, bytes], str]  # id, original fields, reason
+# One workflow's line for index.lua: workflow, createdAt, version, status, score, deadline.
+IndexItem = tuple[str, str, int, str, str, str]
+
+
+class Recorded(NamedTuple):
+    created: bool
+    steps: int
+    version: int
+    created_at: float
+
+
+def index_item(view: WorkflowView, deadline: float | None, known: bool) -> IndexItem:
+    """What the indexes must say about a committed view (`known`: whether its deadline is)."""
+    state = view.state
+    where = ("-" if deadline is None else f"{deadline:.6f}") if known else ""
+    score = state.updated_at or state.created_at  # when it entered the status, if it just did (ZADD NX)
+    return (view.workflow, f"{state.created_at:.6f}", state.version, state.status, f"{score:.6f}", where)
 
 
 def load_script(name: str) -> str:
@@ -31,10 +54,15 @@ class Store:
         self.settings = settings
         self._apply = redis.register_script(load_script("apply.lua"))
         self._record_steps = redis.register_script(load_script("record_steps.lua"))
-        self._gc_cursor: dict[str, int] = {}
+        self._index = redis.register_script(load_script("index.lua"))
+        self._forget = redis.register_script(load_script("forget.lua"))
 
     def load(self, wanted: dict[str, tuple[bool, Iterable[str]]]) -> dict[str, WorkflowView]:
-        """Load views: workflow -> (needs every record?, step ids the batch names)."""
+        """Load views: workflow -> (needs every record?, step ids the batch names).
+
+        With each view comes its outbox: outcomes of earlier transitions not yet written out
+        (their coordinator died in between), which this batch's follow-up writes.
+        """
         pipe = self.redis.pipeline(transaction=False)
         for workflow, (full, steps) in wanted.items():
             pipe.hgetall(self.keys.state(workflow))
@@ -42,6 +70,7 @@ class Store:
                 pipe.hgetall(self.keys.comp(workflow))
             else:
                 pipe.hmget(self.keys.comp(workflow), list(steps) or ["-"])
+            pipe.lrange(self.keys.outbox(workflow), 0, -1)
         replies = iter(pipe.execute())
         views = {}
         for workflow, (full, steps) in wanted.items():
@@ -51,7 +80,7 @@ class Store:
                 comps = decode_records(records)
             else:
                 comps = {s: comp_decoder.decode(v) for s, v in zip(steps, records, strict=False) if v is not None}
-            views[workflow] = WorkflowView(workflow, state, comps, full)
+            views[workflow] = WorkflowView(workflow, state, comps, full, outbox=list(next(replies)))
         return views
 
     def ttl_for(self, status: str) -> int:
@@ -75,6 +104,7 @@ class Store:
                 len(view.changed),
                 len(view.new_steps),
                 len(view.log),
+                self.outbox_item(view),
             ]
             for k, v in state_pairs.items():
                 args += (k, v)
@@ -86,24 +116,35 @@ class Store:
                 for k, v in entry.items():
                     args += (k, v)
             self._apply(keys=self.keys.workflow_keys(view.workflow), args=args, client=pipe)
-        return [bool(ok) for ok in pipe.execute()]
+        oks = [bool(ok) for ok in pipe.execute()]
+        for view, ok in zip(views, oks, strict=True):
+            if ok and view.outcomes:
+                view.outbox.append(self.outbox_item(view))
+        return oks
+
+    def outbox_item(self, view: WorkflowView) -> bytes | str:
+        """The transition's outcomes, each with an `id` that names it across re-sends."""
+        if not view.outcomes:
+            return ""
+        base = f"{view.workflow}/{view.state.created_at:.6f}/{view.state.version}"
+        return msgspec.json.encode([{**o, "id": f"{base}/{n}"} for n, o in enumerate(view.outcomes)])
 
     def record_steps(
-        self, batches: dict[str, list[tuple[Compensation, bytes, list[dict[str, str]]]]], now: float
-    ) -> dict[str, tuple[bool, int] | None]:
+        self, batches: dict[str, tuple[int, list[tuple[Compensation, bytes, list[dict[str, str]]]]]], now: float
+    ) -> dict[str, Recorded | None]:
         """Record new steps of workflows believed running, without loading them first.
 
-        workflow -> (created?, steps recorded), or None where the workflow is not running after all
-        (the caller then folds those events through the compare-and-set path).
+        workflow -> (the step count the records were numbered from, the planned steps). Returns
+        what was recorded, or None where the expectation did not hold (not running, other steps
+        recorded meanwhile, a step already recorded): nothing was written, and the caller folds
+        those events through the compare-and-set path.
         """
         pipe = self.redis.pipeline(transaction=False)
         ttl = self.settings.idle_ttl
-        for workflow, steps in batches.items():
-            args: list[str | bytes | int] = [f"{now:.6f}", ttl, LOG_MAXLEN, len(steps)]
+        for workflow, (expected, steps) in batches.items():
+            args: list[str | bytes | int] = [f"{now:.6f}", ttl, LOG_MAXLEN, expected, len(steps)]
             for comp, raw, entries in steps:
-                record = comp_encoder.encode(comp)
-                assert record.startswith(b'{"step":"%s","seq":0,' % comp.step.encode())  # what the script patches
-                args += (comp.step, record, raw, len(entries))
+                args += (comp.step, comp_encoder.encode(comp), raw, len(entries))
                 for entry in entries:
                     args.append(len(entry))
                     for k, v in entry.items():
@@ -111,57 +152,92 @@ class Store:
             self._record_steps(keys=self.keys.workflow_keys(workflow), args=args, client=pipe)
         replies = pipe.execute()
         return {
-            workflow: None if reply == -1 else (bool(reply[0]), int(reply[1]))
-            for workflow, reply in zip(batches, replies, strict=True)
+            workflow: Recorded(bool(reply[1]), len(steps), int(reply[2]), float(reply[3])) if reply[0] else None
+            for (workflow, (_, steps)), reply in zip(batches.items(), replies, strict=True)
         }
 
-    def follow_up(self, views: list[WorkflowView], deadlines: dict[str, float | None], extra: list) -> None:
-        """Index, outcomes and watchdog deadlines for committed views, plus the caller's acks.
+    def follow_up(self, items: list[IndexItem], views: list[WorkflowView], dead: list[DeadEntry]) -> None:
+        """What lives outside the workflows' slots: indexes and deadlines, outcomes, dead letters.
 
-        `deadlines` names only the workflows whose watchdog deadline is known (full views):
-        None removes it, a time sets it, absent leaves it alone.
+        Raises (a `ResponseError`, e.g. OOM) when Redis refused any of it; the caller then
+        acknowledges nothing, so every entry comes back and all of this is written again: the
+        index script is idempotent and ignores what is older than it already reflects, outcomes
+        stay in their workflow's outbox until written (at least once, each with a stable `id`).
         """
         pipe = self.redis.pipeline(transaction=False)
-        now = max((v.state.updated_at for v in views), default=0.0)
+        if items:
+            args: list[str | int | float] = [len(STATUSES), *STATUSES, len(items)]
+            for item in items:
+                args += item
+            self._index(keys=self.keys.index_keys(), args=args, client=pipe)
         for view in views:
-            status = view.state.status
-            if status != view.loaded_status:
-                if view.loaded_status:
-                    pipe.zrem(self.keys.index(view.loaded_status), view.workflow)
-                pipe.zadd(self.keys.index(status), {view.workflow: view.state.updated_at or now})
-            for outcome in view.outcomes:
-                pipe.xadd(self.keys.outcomes, outcome, maxlen=self.settings.outcomes_maxlen, approximate=True)
-            if view.workflow not in deadlines:  # a running workflow's partial view: nothing to watch
-                continue
-            deadline = deadlines[view.workflow]
-            if deadline is None:
-                pipe.zrem(self.keys.deadlines, view.workflow)
-            else:
-                pipe.zadd(self.keys.deadlines, {view.workflow: deadline})
-        for command in extra:
-            command(pipe)
-        pipe.execute()
+            for raw in view.outbox:
+                for outcome in msgspec.json.decode(raw):
+                    pipe.xadd(self.keys.outcomes, outcome, maxlen=self.settings.outcomes_maxlen, approximate=True)
+        for entry_id, fields, reason in dead:
+            # Original fields kept under their own names; ours prefixed so they never collide.
+            record = {DEAD_REASON: reason.encode(), DEAD_ID: entry_id, DEAD_AT: f"{time.time():.3f}"}
+            record.update({k: v for k, v in fields.items() if not k.startswith(b"dead.")})
+            pipe.xadd(self.keys.dead_letter, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, Exception):
+                raise reply
+
+    def settle(self, views: list[WorkflowView], ack: list[bytes]) -> None:
+        """After `follow_up` succeeded: empty the outboxes it wrote out, and acknowledge the entries."""
+        pipe = self.redis.pipeline(transaction=False)
+        for view in views:
+            for raw in view.outbox:
+                pipe.lrem(self.keys.outbox(view.workflow), 1, raw)  # by value: a second writer removes nothing
+        if ack:
+            pipe.xack(self.keys.events, self.keys.group, *ack)
+        if len(pipe):
+            for reply in pipe.execute(raise_on_error=False):
+                if isinstance(reply, Exception):
+                    raise reply
 
     def due(self, now: float, limit: int = 100) -> list[str]:
         return [w.decode() for w in self.redis.zrangebyscore(self.keys.deadlines, "-inf", now, start=0, num=limit)]
 
-    def collect_garbage(self, count: int = 500) -> int:
+    def leased(self, wanted: dict[str, list[str]]) -> dict[str, set[str]]:
+        """workflow -> the steps among `wanted` whose worker lease key exists (a call in flight)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pairs = [(w, s) for w, steps in wanted.items() for s in steps]
+        for workflow, step in pairs:
+            pipe.exists(self.keys.lease(workflow, step))
+        found: dict[str, set[str]] = {w: set() for w in wanted}
+        for (workflow, step), alive in zip(pairs, pipe.execute() if pairs else [], strict=True):
+            if alive:
+                found[workflow].add(step)
+        return found
+
+    def collect_garbage(self, now: float | None = None, page: int = 1000, budget: int = 20) -> int:
         """Drop index and deadline entries whose workflow expired (its keys are gone).
 
-        Walks each sorted set with ZSCAN a slice at a time, so one sweep costs little however
-        many workflows exist, and successive sweeps cover them all.
+        An index entry's score is when its workflow entered that status, and a workflow in it
+        lives at most that status's retention (idle TTL for the unsettled ones) after its last
+        change: so only entries older than that can be gone, and they sit at the low end of the
+        sorted set. Each sweep reads them a page at a time, up to `budget` pages, so the work
+        follows the rate workflows expire at instead of a fixed slice of every index.
         """
+        now = time.time() if now is None else now
         removed = 0
-        for key in [self.keys.index(s) for s in STATUSES] + [self.keys.deadlines]:
-            cursor, members = self.redis.zscan(key, self._gc_cursor.get(key, 0), count=count)
-            self._gc_cursor[key] = cursor
-            names = [m.decode() for m, _ in members]
-            if not names:
-                continue
-            pipe = self.redis.pipeline(transaction=False)
-            for workflow in names:
-                pipe.exists(self.keys.state(workflow))
-            gone = [w for w, alive in zip(names, pipe.execute(), strict=True) if not alive]
-            if gone:
-                removed += self.redis.zrem(key, *gone)
+        for key, ttl in [(self.keys.index(s), self.ttl_for(s)) for s in STATUSES] + [
+            (self.keys.deadlines, self.settings.idle_ttl)
+        ]:
+            offset = 0
+            for _ in range(budget):
+                names = [m.decode() for m in self.redis.zrangebyscore(key, "-inf", now - ttl, start=offset, num=page)]
+                if not names:
+                    break
+                pipe = self.redis.pipeline(transaction=False)
+                for workflow in names:
+                    pipe.exists(self.keys.state(workflow))
+                alive = pipe.execute()
+                gone = [w for w, a in zip(names, alive, strict=True) if not a]
+                if gone:
+                    removed += self._forget(keys=self.keys.index_keys(), args=gone)
+                offset += len(names) - len(gone)  # the ones still alive stay in front
+                if len(names) < page:
+                    break
         return removed

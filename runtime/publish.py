@@ -102,7 +102,7 @@ def checked_entry(workflow: str, payload: Payload) -> dict[bytes, bytes]:
         raise ValueError(f"workflow id must be a string, not {type(workflow).__name__}")
     fields = {b"type": payload.TYPE.encode(), b"workflow": workflow.encode(), b"data": _encode(payload)}
     try:
-        decode_entry("0-0", fields)
+        decode_entry("0-0", fields, strict=True)
     except ValueError as exc:
         raise ValueError(f"refusing to publish {payload.TYPE} for {workflow[:80]!r}: {exc}") from None
     return fields

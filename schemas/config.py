@@ -86,11 +86,15 @@ class CoordinatorSettings(_Strict):
     batch: int = Field(default=100, ge=1, le=10_000)
     # Below redis-py's default 5 s socket timeout, which would cut a longer blocking read.
     block_ms: int = Field(default=1000, ge=1, le=4000)
-    claim_idle_ms: int = Field(default=30_000, ge=100)
-    # Seconds a dispatched compensation may go without a report before it is dispatched again.
+    # A silent coordinator's pending entries are claimed after this; claims run every half of it.
+    claim_idle_ms: int = Field(default=20_000, ge=100)
+    # Seconds a dispatched compensation may stay silent (no attempt report of its current dispatch,
+    # no worker lease alive) before it is dispatched again.
     watchdog_after: float = Field(default=120.0, gt=0)
     watchdog_every: float = Field(default=1.0, gt=0)
-    barrier_grace: float = Field(default=30.0, ge=0, description="seconds to wait for missing steps")
+    # Longer than a claim takes (claim_idle_ms and half of it again), so that a step held by a
+    # coordinator that died is claimed before the barrier gives up on it (see `guarantee_problems`).
+    barrier_grace: float = Field(default=60.0, ge=0, description="seconds to wait for missing steps")
     parallel: bool = False
     on_failure: Literal["halt", "continue"] = "halt"
     retention_completed: int = Field(default=86_400, ge=1)
@@ -130,6 +134,8 @@ class ConsoleSettings(_Strict):
     poll_seconds: float = Field(default=1.0, ge=0.2, le=60)
     # Seconds an action waits for the coordinator to apply it before the page says "pending".
     action_wait: float = Field(default=3.0, ge=0, le=30)
+
+
 SessionPolicy = Literal["leave", "complete", "fail"]
 
 
@@ -158,6 +164,11 @@ class GatewaySettings(_Strict):
         return self
 
 
+class RedisSettings(_Strict):
+    # Run even though the server's maxmemory-policy may delete keys (see runtime/redis_checks.py).
+    allow_eviction: bool = False
+
+
 class Config(_Strict):
     prefix: str = Field(default="saga", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
     servers: dict[str, ServerConfig] = Field(default_factory=dict)
@@ -166,6 +177,18 @@ class Config(_Strict):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     console: ConsoleSettings = Field(default_factory=ConsoleSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+
+    @model_validator(mode="after")
+    def _guarantees(self) -> Config:
+        refusals, _ = guarantee_problems(self)
+        if refusals:
+            raise ValueError("; ".join(refusals))
+        return self
+
+    def warnings(self) -> list[str]:
+        """Settings that keep every guarantee but trade one off; logged at start-up."""
+        return guarantee_problems(self)[1]
 
     @field_validator("servers")
     @classmethod
@@ -179,6 +202,47 @@ class Config(_Strict):
         """The operator's recovery declaration for a tool, if any."""
         entry = self.servers.get(server)
         return entry.recovery.get(tool) if entry is not None else None
+
+
+def guarantee_problems(config: Config) -> tuple[list[str], list[str]]:
+    """(refusals, warnings): settings that defeat a README guarantee, and trade-offs to point out.
+
+    Each names its field and why, for the operator who reads it at start-up.
+    """
+    c, w = config.coordinator, config.worker
+    refusals: list[str] = []
+    warnings: list[str] = []
+    claim = c.claim_idle_ms / 1000 * 1.5  # idle time, plus up to one claim interval (half of it)
+    if c.barrier_grace == 0:
+        warnings.append(
+            "coordinator.barrier_grace = 0: a failure that announces more steps than were recorded "
+            "unwinds at once; a step still on its way is then undone after the ones before it"
+        )
+    elif c.barrier_grace <= claim:
+        refusals.append(
+            f"coordinator.barrier_grace ({c.barrier_grace:g} s) must be longer than claim_idle_ms plus the "
+            f"claim interval ({claim:g} s): a step held by a coordinator that died would be claimed after "
+            "the barrier expired, and undone out of LIFO order"
+        )
+    gap = w.backoff_max * (1 + w.jitter)
+    if c.watchdog_after <= gap:
+        refusals.append(
+            f"coordinator.watchdog_after ({c.watchdog_after:g} s) must be longer than the longest wait between "
+            f"two attempts (worker.backoff_max x (1 + jitter) = {gap:g} s): while a retry waits no report "
+            "comes and no lease is held, so the watchdog would dispatch again a compensation that is merely waiting"
+        )
+    slowest = max((s.timeout for s in config.servers.values()), default=0.0)
+    if slowest and w.job_timeout <= slowest:
+        refusals.append(
+            f"worker.job_timeout ({w.job_timeout} s) must be longer than the longest server timeout "
+            f"({slowest:g} s): RQ would kill the job during the call, and the attempt would go unreported"
+        )
+    if slowest and w.lease < slowest:
+        warnings.append(
+            f"worker.lease ({w.lease:g} s) is shorter than the longest server timeout ({slowest:g} s): a call "
+            "in flight keeps its lease only through the worker's heartbeat; a stalled worker loses it sooner"
+        )
+    return refusals, warnings
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:

@@ -9,7 +9,8 @@ returns, so its messages are written for the operator who will read them there.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from types import UnionType
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 import msgspec
 from msgspec import Meta, Struct, field
@@ -18,6 +19,10 @@ WIRE_VERSION = 1
 # A documented cap: an entry's `data` larger than this is dead-lettered, which keeps one hostile
 # publisher from making the coordinator hold megabytes per step.
 MAX_DATA_BYTES = 256 * 1024
+# Entries up to this size are still read when over MAX_DATA_BYTES, so that the signal they carry
+# (a failure, a step with effects) is not lost: what pushes them over the cap is cut or left out,
+# with a note. Beyond it an entry is dead-lettered unread.
+MAX_READ_BYTES = 16 * 1024 * 1024
 # Also documented: JSON nested deeper than this inside `data` is dead-lettered. The coordinator
 # re-encodes what it keeps (plans, jobs, templates) further down the stack than it decodes, so a
 # value just inside msgspec's own recursion guard would pass here and raise RecursionError later,
@@ -193,7 +198,11 @@ _ENCODER = msgspec.json.Encoder()
 
 
 class Event(Struct, frozen=True):
-    """A decoded entry: `data` is the payload struct, `raw` the payload bytes as published."""
+    """A decoded entry: `data` is the payload struct, `raw` the payload bytes as published.
+
+    `repairs` says what decoding had to cut or leave out to keep the entry's signal (empty for an
+    entry that kept to the contract); `raw` is then the repaired payload, as stored.
+    """
 
     id: str
     type: str
@@ -201,6 +210,7 @@ class Event(Struct, frozen=True):
     data: Payload
     raw: bytes
     v: int = WIRE_VERSION
+    repairs: tuple[str, ...] = ()
 
 
 class InvalidEvent(ValueError):
@@ -217,8 +227,12 @@ def _text(fields: dict[bytes, bytes], name: str) -> str:
         raise InvalidEvent(f"field {name!r} is not valid UTF-8") from None
 
 
-def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
-    """Validate one stream entry against the contract, or say precisely why it does not fit."""
+def decode_entry(entry_id: str, fields: dict[bytes, bytes], *, strict: bool = False) -> Event:
+    """Validate one stream entry against the contract, or say precisely why it does not fit.
+
+    The coordinator repairs what keeps its meaning (see `_repaired`); a publisher checks with
+    `strict`, so that it never writes an entry that needs repair.
+    """
     kind = _text(fields, "type")
     decoder = _DECODERS.get(kind)
     if decoder is None:
@@ -234,14 +248,25 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
     raw = fields.get(b"data")
     if raw is None:
         raise InvalidEvent("missing field 'data'")
-    if len(raw) > MAX_DATA_BYTES:
-        raise InvalidEvent(f"data is {len(raw)} bytes, over the {MAX_DATA_BYTES}-byte cap")
+    if len(raw) > MAX_READ_BYTES:
+        raise InvalidEvent(f"data is {len(raw)} bytes, over the {MAX_READ_BYTES}-byte cap of what is read at all")
     try:  # msgspec skips unknown keys without reading them, and `raw` is stored and read elsewhere
         raw.decode()
     except UnicodeDecodeError:
         raise InvalidEvent("field 'data' is not valid UTF-8") from None
+    repairs: tuple[str, ...] = ()
     try:
+        if len(raw) > MAX_DATA_BYTES:
+            if strict:
+                raise InvalidEvent(f"data is {len(raw)} bytes, over the {MAX_DATA_BYTES}-byte cap")
+            raise msgspec.ValidationError("over the cap")
         data = decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        if strict:
+            raise InvalidEvent(f"{kind} data: {exc}") from None
+        # Well-formed JSON that breaks a field's rule: keep what the event means when it can be
+        # kept (a failure must still start the unwind), else dead-letter it with msgspec's reason.
+        data, raw, repairs = _repaired(kind, raw, str(exc))
     except (msgspec.DecodeError, RecursionError) as exc:
         raise InvalidEvent(f"{kind} data: {exc}") from None
     if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and _too_deep(data):  # counting first: cheap
@@ -252,7 +277,123 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
             check_step_id(step)
         except ValueError as exc:
             raise InvalidEvent(f"{kind} data: {exc}") from None
-    return Event(id=entry_id, type=kind, workflow=workflow, data=data, raw=raw)
+    return Event(id=entry_id, type=kind, workflow=workflow, data=data, raw=raw, repairs=repairs)
+
+
+_DROP = object()
+# Fields whose value may be replaced by an empty one when an entry is over MAX_DATA_BYTES, largest
+# first in practice; a binding that reads them then fails to resolve and says so (never a guess).
+_SHEDDABLE = ("annotations", "result", "arguments")
+
+
+def cut_text(text: str, limit: int) -> str:
+    """`text` within `limit` characters, its end replaced by a marker saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    keep = max(0, limit - len(f" [... {len(text)} more characters cut]"))
+    return text[:keep] + f" [... {len(text) - keep} more characters cut]"
+
+
+def _repaired(kind: str, raw: bytes, why: str) -> tuple[Payload, bytes, tuple[str, ...]]:
+    cls = PAYLOAD_TYPES[kind]
+    try:
+        obj = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise InvalidEvent(f"{kind} data: {exc}") from None
+    if not isinstance(obj, dict):
+        raise InvalidEvent(f"{kind} data: {why}")
+    notes: list[str] = []
+    fixed = _fit_struct(cls, obj, notes, "", kind, why)
+    encoded = _ENCODER.encode(fixed)
+    if len(encoded) > MAX_DATA_BYTES:
+        known = {f.encode_name for f in msgspec.structs.fields(cls)}
+        unknown = sorted(k for k in fixed if k not in known)
+        if unknown:
+            fixed = {k: v for k, v in fixed.items() if k in known}
+            notes.append(f"unknown field(s) {', '.join(unknown)[:200]} left out: the entry was over the cap")
+        for name in _SHEDDABLE:
+            if len(encoded := _ENCODER.encode(fixed)) <= MAX_DATA_BYTES:
+                break
+            if fixed.get(name):
+                size = len(_ENCODER.encode(fixed[name]))
+                fixed[name] = {}
+                notes.append(f"{name} ({size} bytes) left out: the entry was over the {MAX_DATA_BYTES}-byte cap")
+        encoded = _ENCODER.encode(fixed)
+        if len(encoded) > MAX_DATA_BYTES:
+            raise InvalidEvent(f"data is {len(raw)} bytes, over the {MAX_DATA_BYTES}-byte cap")
+    try:
+        return _DECODERS[kind].decode(encoded), encoded, tuple(notes)
+    except msgspec.ValidationError as exc:  # a rule no repair covers: say what msgspec said
+        raise InvalidEvent(f"{kind} data: {exc}") from None
+
+
+def _fit_struct(
+    cls: type[Struct], obj: dict[str, Any], notes: list[str], prefix: str, kind: str, why: str
+) -> dict[str, Any]:
+    """`obj` with each field that breaks its rule cut (texts) or left out (optional fields).
+
+    A mistyped `recovery` is kept as a declaration that cannot be parsed, not left out: a step
+    without one would be `skipped` as if it had nothing to undo, where the truth is unrecoverable.
+    """
+    fixed = dict(obj)
+    for f in msgspec.structs.fields(cls):
+        if f.encode_name not in obj:
+            continue
+        value = obj[f.encode_name]
+        try:
+            msgspec.convert(value, f.type)
+            continue
+        except msgspec.ValidationError as exc:
+            got = f"{type(value).__name__} {str(exc).lower()}, the contract wants {_describe(f.type)}"
+        path = prefix + f.encode_name
+        repaired = _fit_value(f.type, value, notes, path, kind, why)
+        if repaired is not _DROP:
+            fixed[f.encode_name] = repaired
+        elif f.required:
+            raise InvalidEvent(f"{kind} data: {why}")
+        elif f.encode_name == "recovery":
+            fixed[f.encode_name] = {"invalidDeclaration": type(value).__name__}
+            notes.append(f"{path}: {got}; kept as an invalid declaration (the step is unrecoverable)")
+        else:
+            del fixed[f.encode_name]
+            notes.append(f"{path}: {got}; left out")
+    return fixed
+
+
+def _fit_value(tp: Any, value: Any, notes: list[str], path: str, kind: str, why: str) -> Any:
+    for option in _options(tp):
+        base, limit = _text_limit(option)
+        if base is str and isinstance(value, str) and limit in (TEXT_MAX, BY_MAX):  # free text, not names
+            notes.append(f"{path}: {len(value)} characters, cut to {limit}")
+            return cut_text(value, limit)
+        if isinstance(option, type) and issubclass(option, Struct) and isinstance(value, dict):
+            return _fit_struct(option, value, notes, path + ".", kind, why)
+    return _DROP
+
+
+def _options(tp: Any) -> tuple[Any, ...]:
+    if get_origin(tp) in (Union, UnionType):
+        return tuple(a for a in get_args(tp) if a is not type(None))
+    return (tp,)
+
+
+def _text_limit(tp: Any) -> tuple[Any, int | None]:
+    if get_origin(tp) is Annotated:
+        base, *metas = get_args(tp)
+        limits = [m.max_length for m in metas if isinstance(m, Meta) and m.max_length is not None]
+        return base, limits[0] if limits else None
+    return tp, None
+
+
+def _describe(tp: Any) -> str:
+    names = []
+    for option in _options(tp):
+        base, _ = _text_limit(option)
+        if get_origin(base) is Literal:
+            names.append(" or ".join(repr(a) for a in get_args(base)))
+        else:
+            names.append(getattr(base, "__name__", str(base)))
+    return " or ".join(names)
 
 
 def _too_deep(data: Struct) -> bool:

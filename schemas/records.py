@@ -96,6 +96,12 @@ class Compensation(Struct, rename="camel", omit_defaults=False):
     # Stream id of the step's step-completed entry. LIFO follows it, not `seq` (arrival order): a
     # step claimed from a crashed coordinator arrives after later ones but must still be undone after them.
     event_id: str = ""
+    # Last word about the current dispatch: an attempt report, or its worker's lease seen alive by
+    # the watchdog. The watchdog counts silence from here (or from `queued_at`), not from dispatch.
+    heard_at: float = 0.0
+    # Attempts used since the plan or the last operator retry, across dispatches: a re-dispatch by
+    # the watchdog continues this budget instead of starting a fresh one.
+    spent: int = 0
 
 
 class CompensationJob(Struct, rename="camel", frozen=True):
@@ -114,6 +120,9 @@ class CompensationJob(Struct, rename="camel", frozen=True):
     prefix: str = "saga"
     # The step's place on the stack, so the worker reads the step with the record (-1: unknown).
     seq: int = -1
+    # Attempts earlier dispatches of this compensation already used: this dispatch may make only
+    # `attempts - attemptsUsed` more (the coordinator sizes the RQ Retry accordingly).
+    attempts_used: int = 0
 
     @property
     def job_id(self) -> str:

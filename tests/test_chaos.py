@@ -91,7 +91,7 @@ def test_a_step_recorded_late_by_a_redelivery_is_still_undone_last_first() -> No
 
     The chaos run caught this unwinding b first: LIFO followed arrival, not the stream's order.
     """
-    machine = Machine(parse_config({"coordinator": {"barrier_grace": 30}}))
+    machine = Machine(parse_config({"coordinator": {"barrier_grace": 30, "claim_idle_ms": 10_000}}))
     view = WorkflowView("order-9", WorkflowState(), {}, full=True)
 
     def fold(entry_id: str, payload: object) -> None:

@@ -109,7 +109,7 @@ def test_duplicate_deliveries_dispatch_once(r: redis.Redis, coord: Coordinator) 
         ({"type": "workflow-failed", "data": "{}"}, "missing field 'workflow'"),
         ({"type": "step-completed", "workflow": "w", "data": '{"step":"a"}'}, "missing required field"),
         ({"type": "workflow-failed", "workflow": "w", "data": b"\xff\xfe"}, "step"),
-        ({"type": "workflow-failed", "workflow": "w", "data": "x" * 300_000}, "cap"),
+        ({"type": "workflow-failed", "workflow": "w", "data": "x" * 300_000}, "malformed"),
         ({"type": "compensation-succeeded", "workflow": "ghost", "data": '{"step":"a"}'}, "unknown workflow"),
         ({"type": "workflow-failed", "workflow": "w", "v": "9", "data": "{}"}, "unsupported wire version"),
     ],

@@ -45,7 +45,8 @@ def step(name: str, server: str = "inventory", tool: str = "reserve_inventory", 
 
 @pytest.fixture
 def machine() -> Machine:
-    return Machine(parse_config({"coordinator": {"barrier_grace": 5, "watchdog_after": 10}}))
+    coordinator = {"barrier_grace": 5, "watchdog_after": 10, "claim_idle_ms": 1000}
+    return Machine(parse_config({"coordinator": coordinator, "worker": {"backoff_max": 5}}))
 
 
 def fold(machine: Machine, view: WorkflowView, *payloads, now: float = 100.0) -> WorkflowView:
@@ -272,3 +273,46 @@ def test_a_step_handled_after_completion_is_recorded_not_undone(machine: Machine
     assert view.jobs == [] and len(view.new_steps) == 2
     assert view.log[-1]["type"] == "late-step"
     assert not any(o["type"].startswith("workflow-") and o["type"] != "workflow-completed" for o in view.outcomes)
+
+
+def test_watchdog_spares_a_leased_or_reporting_compensation_and_keeps_its_budget(machine: Machine) -> None:
+    """Silent = no attempt report of the current dispatch for `watchdog_after` and no live lease."""
+    view = fold(machine, new_view(), step("a"), WorkflowFailed(), now=100.0)
+    assert [j.dispatch for j in view.jobs] == [1]
+    view.jobs.clear()
+    machine.tick(view, 110.0, leased={"a"})  # a call in flight holds the lease: not silent
+    assert view.jobs == [] and machine.next_deadline(view) == 120.0
+    failed = CompensationFailed(step="a", dispatch=1, attempt=1, final=False, retryable=True, error="timeout")
+    fold(machine, view, failed, now=115.0)  # an attempt report pushes the deadline
+    machine.tick(view, 120.0)
+    assert view.jobs == [] and machine.next_deadline(view) == 125.0
+    machine.tick(view, 125.0)  # silent now: dispatched again, with the attempt already used
+    (second,) = view.jobs
+    assert (second.dispatch, second.attempts_used) == (2, 1)
+    # The superseded dispatch's late attempt report changes nothing.
+    fold(machine, view, CompensationFailed(step="a", dispatch=1, attempt=2, final=True, error="late"), now=126.0)
+    assert view.comps["a"].status == "queued" and view.comps["a"].spent == 1
+
+
+def test_a_silent_compensation_with_its_budget_used_fails_instead_of_running_again(machine: Machine) -> None:
+    """Every attempt reported (by a worker that believed more were left), then silence: no more calls."""
+    view = fold(machine, new_view(), step("a"), WorkflowFailed(), now=100.0)
+    view.jobs.clear()
+    attempts = machine.attempts
+    for n in range(1, attempts + 1):
+        report = CompensationFailed(step="a", dispatch=1, attempt=n, final=False, retryable=True, error="timeout")
+        fold(machine, view, report, now=100.0 + n)
+    machine.tick(view, 200.0)
+    assert view.jobs == []
+    assert view.comps["a"].status == "failed"
+    assert view.state.status == "needs-attention"
+    assert f"no report after attempt {attempts} of {attempts}" in view.state.attention
+
+
+def test_barrier_grace_zero_announces_needs_attention_once() -> None:
+    """Found on the way (issue 12): the outcome and the status entry were written twice."""
+    machine = Machine(parse_config({"coordinator": {"barrier_grace": 0}}))
+    view = fold(machine, new_view(), step("a", recovery=None), WorkflowFailed(steps_completed=2))
+    assert view.state.status == "needs-attention"
+    assert [o["type"] for o in view.outcomes] == ["workflow-needs-attention"]
+    assert [e["type"] for e in view.log].count("status") == 1

@@ -1,11 +1,12 @@
 -- Commit one workflow transition, or refuse it if another coordinator got there first.
 --
--- KEYS: state, steps, comp, log (all hash-tagged with the workflow id: one cluster slot).
+-- KEYS: state, steps, comp, log, outbox (all hash-tagged with the workflow id: one cluster slot).
 -- ARGV: expected version, ttl seconds, log maxlen, #state pairs, #comp pairs, #steps, #log entries,
---       then the state field/value pairs, the comp step/record pairs, the step entries, and for each
---       log entry its field count followed by its field/value pairs.
+--       the outbox item ('' for none: the transition's outcomes, JSON), then the state field/value
+--       pairs, the comp step/record pairs, the step entries, and for each log entry its field
+--       count followed by its field/value pairs.
 -- Returns 1 when applied, 0 on a version conflict (the caller reloads and folds its events again).
-local state, steps, comp, log = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local state, steps, comp, log, outbox = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local current = redis.call('HGET', state, 'version') or '0'
 if current ~= ARGV[1] then
   return 0
@@ -21,7 +22,10 @@ local function sliced(command, key, first, count)
   end
   return first + count
 end
-local i = 8
+if ARGV[8] ~= '' then
+  redis.call('RPUSH', outbox, ARGV[8])
+end
+local i = 9
 i = sliced('HSET', state, i, 2 * nstate)
 i = sliced('HSET', comp, i, 2 * ncomp)
 i = sliced('RPUSH', steps, i, nsteps)

@@ -1,0 +1,332 @@
+"""The coordinator tells the truth under faults (issue 11): real processes, a real redis-server.
+
+Each test names the defect it guards against: a slow server kept its workflow `compensating`
+forever; indexes and outcomes were lost by a crash between commit and follow-up; entries were
+acknowledged under OOM though their dead letters had been refused; the process exited when its
+consumer group vanished; a failure with an over-long reason was dead-lettered whole.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import redis
+from mcp_saga.cli.redis_server import RedisServer, find_redis_server
+from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.runtime.reader import Reader
+from mcp_saga.schemas.config import Config, dump_config, parse_config
+from mcp_saga.schemas.events import StepCompleted, WorkflowFailed, entry_fields
+from mcp_saga.schemas.keys import STATUSES, Keys
+from mcp_saga.schemas.records import comp_decoder, state_from_hash
+from processes import REPO, free_port, saga_process, stop, wait_for, wait_until_accepting
+
+K = Keys()
+
+# A server whose compensating tool never answers in time; every call is counted in a file.
+SLOW = """
+import asyncio, sys
+from mcp.server.mcpserver import MCPServer
+from mcp_saga.runtime.recovery_wire import compensation, recoverable_tool
+
+app = MCPServer("slow", log_level="WARNING")
+CALLS = sys.argv[2]
+
+@recoverable_tool(app, compensation("undo", id="$response.body#/id"))
+def do() -> dict:
+    return {"id": "x"}
+
+@app.tool()
+async def undo(id: str, idempotencyKey: str | None = None) -> str:
+    with open(CALLS, "a") as calls:
+        calls.write(id + "\\n")
+    await asyncio.sleep(3600)
+    return "never"
+
+app.run("streamable-http", port=int(sys.argv[1]))
+"""
+RECOVERY = {
+    "strategy": "compensation",
+    "compensatingOperation": {"operationId": "undo", "parameters": {"id": "$response.body#/id"}},
+}
+
+
+def toml(data: dict[str, Any]) -> str:
+    """The TOML a process reads, built from the config model (so it passes the start-up checks)."""
+    return dump_config(parse_config(data))
+
+
+def step(name: str, server: str = "svc", recovery: dict | None = RECOVERY) -> StepCompleted:
+    return StepCompleted(
+        step=name, server=server, tool="do", result={"structuredContent": {"id": f"id-{name}"}}, recovery=recovery
+    )
+
+
+def publish(r: redis.Redis, workflow: str, *payloads: Any) -> None:
+    for payload in payloads:
+        r.xadd(K.events, entry_fields(workflow, payload))
+
+
+def status(r: redis.Redis, workflow: str) -> str | None:
+    raw = r.hget(K.state(workflow), "status")
+    return raw.decode() if raw else None
+
+
+def indexed(r: redis.Redis, workflow: str) -> list[str]:
+    return [s for s in STATUSES if r.zscore(K.index(s), workflow) is not None]
+
+
+@pytest.fixture
+def private_redis() -> Iterator[redis.Redis]:
+    """A redis-server of the test's own: these tests flush it and fill its memory."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server")
+    server = RedisServer(binary).start()
+    client = redis.Redis.from_url(server.url)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.cleanup()
+
+
+def url_of(client: redis.Redis) -> str:
+    kw = client.connection_pool.connection_kwargs
+    return f"redis://{kw['host']}:{kw['port']}/0"
+
+
+# 1. The watchdog acts only on a compensation that has gone silent ------------------------------
+
+
+def test_a_slow_server_ends_needs_attention_with_at_most_attempts_calls(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """Attempts that time out keep reporting: the watchdog waits, the budget holds, the end is told.
+
+    Five attempts of one second each plus backoff outlast `watchdog_after` (three seconds); before
+    the fix the watchdog re-dispatched from the dispatch time on, each re-dispatch with a fresh
+    budget, and the workflow stayed `compensating` while the server got call after call.
+    """
+    calls = tmp_path / "calls"
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", SLOW, str(port), str(calls)], cwd=REPO, stderr=subprocess.DEVNULL)
+    config = tmp_path / "saga.toml"
+    attempts = 5
+    config.write_text(
+        toml(
+            {
+                "servers": {"slow": {"url": f"http://127.0.0.1:{port}/mcp", "timeout": 1}},
+                "coordinator": {"block_ms": 50, "watchdog_after": 3, "watchdog_every": 0.2, "claim_idle_ms": 1000},
+                "worker": {"attempts": attempts, "backoff_base": 0.1, "backoff_max": 1, "jitter": 0, "lease": 6},
+            }
+        )
+    )
+    procs = []
+    try:
+        wait_until_accepting("127.0.0.1", port, server)
+        procs.append(saga_process("coordinator", redis_url=redis_url, config=config, log=tmp_path / "c.log"))
+        procs.append(saga_process("worker", redis_url=redis_url, config=config, log=tmp_path / "w.log"))
+        publish(r, "slow-1", step("a", server="slow"), WorkflowFailed(reason="boom"))
+        wait_for(lambda: status(r, "slow-1") == "needs-attention", 90, "the workflow to end needs-attention")
+    finally:
+        stop(server)
+        for proc in procs:
+            stop(proc)
+    state = state_from_hash(r.hgetall(K.state("slow-1")))
+    assert state.attention.startswith("step a: failed ("), state.attention
+    comp = comp_decoder.decode(r.hget(K.comp("slow-1"), "a"))
+    made = calls.read_text().splitlines()
+    assert len(made) <= attempts * comp.dispatch, (made, comp.dispatch)
+    assert comp.spent == attempts and comp.status == "failed"
+    assert indexed(r, "slow-1") == ["needs-attention"]
+
+
+# 2. What a transition implies survives a crash between its commit and its follow-up ------------
+
+
+def test_sigkill_between_commit_and_follow_up_keeps_index_and_outcome(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """The crashed batch's index entry and outcome are written when its entries are claimed again.
+
+    Before the fix the follow-up (index, outcomes) ran only for a batch that changed something,
+    and a redelivered batch folds to no change: the workflow stayed out of every index for good.
+    """
+    bad = {"strategy": "compensation"}  # no compensating operation: the step is unrecoverable
+    publish(r, "crash-1", step("a", recovery=bad), WorkflowFailed(reason="boom"))
+    config = tmp_path / "saga.toml"
+    config.write_text(toml({"coordinator": {"block_ms": 50, "claim_idle_ms": 300}}))
+    crashing = saga_process(
+        "coordinator",
+        "--name",
+        "doomed",
+        redis_url=redis_url,
+        config=config,
+        env={"SAGA_TEST_CRASH_AFTER_COMMIT": "1"},
+        log=tmp_path / "doomed.log",
+    )
+    assert crashing.wait(30) == 70
+    assert status(r, "crash-1") == "needs-attention"  # committed ...
+    assert indexed(r, "crash-1") == [] and r.xlen(K.outcomes) == 0  # ... and nothing after it
+    healthy = saga_process("coordinator", "--name", "heir", redis_url=redis_url, config=config, log=tmp_path / "h.log")
+    try:
+        wait_for(lambda: r.xpending(K.events, K.group)["pending"] == 0, 30, "the heir to claim and acknowledge")
+    finally:
+        stop(healthy)
+    assert indexed(r, "crash-1") == ["needs-attention"]
+    outcomes = [f for _, f in r.xrange(K.outcomes)]
+    assert [f[b"type"] for f in outcomes] == [b"workflow-needs-attention"]
+    assert not r.exists(K.outbox("crash-1"))
+    assert [wf for wf, _ in Reader(r, K).recent("needs-attention")] == ["crash-1"]
+
+
+def test_a_late_follow_up_never_moves_a_workflow_back(r: redis.Redis) -> None:
+    """Two coordinators' follow-ups may land in either order; the index keeps the newer state."""
+    config = parse_config({"coordinator": {"block_ms": 10, "claim_idle_ms": 100}})
+    coord = Coordinator(r, config, name="c")
+    coord.ensure_group()
+    publish(r, "race", step("a"), WorkflowFailed())
+    coord.process(coord._read(">"), redelivered=False)
+    assert indexed(r, "race") == ["compensating"]
+    # A follow-up of an older transition (version 1, running) arrives late.
+    created = f"{state_from_hash(r.hgetall(K.state('race'))).created_at:.6f}"
+    coord.store.follow_up([("race", created, 1, "running", "1.0", "-")], [], [])
+    assert indexed(r, "race") == ["compensating"]
+    assert r.zscore(K.deadlines, "race") is not None
+
+
+# 5. Redis conditions that heal never end the process, and never ack what was refused -----------
+
+
+def test_under_oom_nothing_is_acknowledged_until_dead_letters_are_written(
+    private_redis: redis.Redis, tmp_path: Path
+) -> None:
+    """Before the fix 100 of 200 malformed entries were acknowledged with their dead letters refused."""
+    r = private_redis
+    for n in range(200):
+        r.xadd(K.events, {"type": "bogus", "workflow": f"w{n}", "data": "{}"})
+    r.xgroup_create(K.events, K.group, id="0")
+    used = r.info("memory")["used_memory"]
+    r.config_set("maxmemory", used + 64 * 1024)
+    # Fill what is left, so every write the coordinator tries is refused.
+    n = 0
+    while True:
+        try:
+            r.set(f"filler:{n}", "x" * 4096)
+            n += 1
+        except redis.ResponseError:
+            break
+    proc = saga_process("coordinator", redis_url=url_of(r), log=tmp_path / "c.log")
+    try:
+        wait_for(lambda: r.xpending(K.events, K.group)["pending"] > 0, 30, "the coordinator to read the entries")
+        wait_for(lambda: "redis refused a write" in (tmp_path / "c.log").read_text(), 30, "the refusal to be logged")
+        assert proc.poll() is None
+        assert r.xlen(K.dead_letter) == 0
+        assert r.xpending(K.events, K.group)["pending"] > 0  # read, refused, and kept pending: not acknowledged
+        r.config_set("maxmemory", 0)
+        wait_for(lambda: r.xlen(K.dead_letter) == 200, 60, "every entry to be dead-lettered")
+        wait_for(lambda: r.xpending(K.events, K.group)["pending"] == 0, 10, "every entry to be acknowledged")
+        assert r.xlen(K.dead_letter) == 200  # each once: refused writes were not half-kept
+        assert proc.poll() is None
+    finally:
+        r.config_set("maxmemory", 0)
+        assert stop(proc) == 0
+
+
+def test_flushall_under_a_running_coordinator_recreates_the_group_and_says_so(
+    private_redis: redis.Redis, tmp_path: Path
+) -> None:
+    r = private_redis
+    config = tmp_path / "saga.toml"
+    config.write_text(toml({"coordinator": {"block_ms": 50, "claim_idle_ms": 500}}))
+    log = tmp_path / "c.log"
+    proc = saga_process("coordinator", redis_url=url_of(r), config=config, log=log)
+    try:
+        publish(r, "before", step("a", recovery=None), WorkflowFailed())
+        wait_for(lambda: status(r, "before") == "compensated", 30, "the first workflow")
+        r.flushall()
+        wait_for(lambda: "consumer group vanished" in log.read_text(), 30, "the loss to be reported")
+        publish(r, "after", step("a", recovery=None), WorkflowFailed())
+        wait_for(lambda: status(r, "after") == "compensated", 30, "a workflow published after the flush")
+        assert proc.poll() is None
+        assert indexed(r, "after") == ["compensated"]
+    finally:
+        assert stop(proc, signal.SIGTERM) == 0
+
+
+# 6. A failure signal is never lost ----------------------------------------------------------
+
+
+def test_an_over_long_mistyped_failure_still_unwinds(r: redis.Redis) -> None:
+    coord = Coordinator(r, parse_config({"coordinator": {"block_ms": 10, "claim_idle_ms": 100}}), name="c")
+    coord.ensure_group()
+    publish(r, "trace", step("a"))
+    data = {"reason": "Traceback (most recent call last):\n" + "  frame\n" * 3000, "failedStep": "charge"}
+    r.xadd(K.events, {"type": "workflow-failed", "workflow": "trace", "data": msgspec.json.encode(data)})
+    coord.process(coord._read(">"), redelivered=False)
+    assert r.xlen(K.dead_letter) == 0
+    assert status(r, "trace") == "compensating"
+    state = state_from_hash(r.hgetall(K.state("trace")))
+    assert state.reason.endswith("more characters cut]") and len(state.reason) <= 8192
+    timeline = Reader(r, K).snapshot("trace").timeline  # type: ignore[union-attr]
+    (note,) = [e for e in timeline if e["type"] == "event-repaired"]
+    assert "reason:" in note["detail"] and "failedStep: str" in note["detail"]
+
+
+def test_a_step_over_the_size_cap_is_recorded_not_dead_lettered(r: redis.Redis) -> None:
+    """Its result is left out (noted), so a binding on it is unrecoverable: flagged, never guessed."""
+    coord = Coordinator(r, parse_config({"coordinator": {"block_ms": 10, "claim_idle_ms": 100}}), name="c")
+    coord.ensure_group()
+    huge = step("a").result | {"content": [{"type": "text", "text": "x" * 400_000}]}
+    publish(r, "big", msgspec.structs.replace(step("a"), result=huge), WorkflowFailed())
+    coord.process(coord._read(">"), redelivered=False)
+    coord.process(coord._read(">"), redelivered=False)
+    assert r.xlen(K.dead_letter) == 0
+    comp = comp_decoder.decode(r.hget(K.comp("big"), "a"))
+    assert comp.status == "unrecoverable" and "recovery unavailable" in (comp.reason or "")
+    assert status(r, "big") == "needs-attention"
+
+
+# 3. Start-up checks ---------------------------------------------------------------------------
+
+
+def test_settings_that_defeat_a_guarantee_are_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"coordinator.barrier_grace .* claim_idle_ms"):
+        parse_config({"coordinator": {"barrier_grace": 30, "claim_idle_ms": 30_000}})
+    with pytest.raises(ValueError, match=r"coordinator.watchdog_after .*backoff_max"):
+        parse_config({"coordinator": {"watchdog_after": 60}, "worker": {"backoff_max": 60}})
+    with pytest.raises(ValueError, match=r"worker\.job_timeout"):
+        parse_config({"servers": {"s": {"url": "http://h/mcp", "timeout": 400}}})
+    assert Config().warnings() == []
+    assert "barrier_grace = 0" in parse_config({"coordinator": {"barrier_grace": 0}}).warnings()[0]
+
+
+def test_barrier_waits_while_a_step_of_the_workflow_is_pending_in_the_group(r: redis.Redis) -> None:
+    """A coordinator that stalls holding the last step: the barrier outlasts its grace until the claim."""
+    config = parse_config({"coordinator": {"block_ms": 10, "claim_idle_ms": 100, "barrier_grace": 0.2}})
+    survivor, stalled = Coordinator(r, config, name="survivor"), Coordinator(r, config, name="stalled")
+    survivor.ensure_group()
+    publish(r, "held", step("a"))
+    survivor.process(survivor._read(">"), redelivered=False)
+    publish(r, "held", step("b"))
+    assert len(stalled._read(">")) == 1  # read and never acknowledged: the stall
+    publish(r, "held", WorkflowFailed(steps_completed=2))
+    survivor.process(survivor._read(">"), redelivered=False)
+    assert status(r, "held") == "failed"
+    wait_for(lambda: r.zscore(K.deadlines, "held") is not None, 5, "a barrier deadline")
+    time.sleep(0.3)  # past the grace: without the pending check the barrier would expire here
+    survivor.watch()
+    assert status(r, "held") == "failed"
+    claimed = wait_for(survivor._claim, 5, "the stalled step to be claimable")
+    survivor.process(claimed, redelivered=True)
+    assert status(r, "held") == "compensating"
+    (job,) = [c for c in Reader(r, K).records("held")[1].values() if c.status == "queued"]  # type: ignore[index]
+    assert job.step == "b"  # LIFO kept: the held step first
