@@ -28,7 +28,6 @@ from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.keys import STATUSES, Keys
 from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
@@ -319,33 +318,23 @@ def _operator(command: str) -> Callable[[Ops], int]:
 
 
 def cmd_stats(ops: Ops) -> int:
-    from rq import Queue
-
     keys = ops.keys
     counts = ops.reader.counts()
     pipe = ops.r.pipeline(transaction=False)
     for stream in (keys.events, keys.outcomes, keys.dead_letter):
         pipe.xlen(stream)
     events, outcomes, dead = pipe.execute()
-    try:
-        groups = [
-            {
-                "name": render.text(g["name"]),
-                "consumers": g["consumers"],
-                "pending": g["pending"],
-                "lag": g.get("lag"),
-                "lastDelivered": render.text(g["last-delivered-id"]),
-            }
-            for g in ops.r.xinfo_groups(keys.events)
-        ]
-    except ResponseError:  # no stream yet: nothing was ever published
-        groups = []
-    queue = Queue(keys.queue, connection=ops.r)
-    # Registry counts without cleanup: looking must not move jobs between registries.
-    depth = {"queued": queue.count} | {
-        name: getattr(queue, f"{name}_job_registry").get_job_count(cleanup=False)
-        for name in ("started", "scheduled", "deferred", "failed")
-    }
+    groups = [
+        {
+            "name": render.text(g["name"]),
+            "consumers": g["consumers"],
+            "pending": g["pending"],
+            "lag": g.get("lag"),
+            "lastDelivered": render.text(g["last-delivered-id"]),
+        }
+        for g in ops.reader.groups()
+    ]
+    depth = ops.reader.queue_depth()
     stats = {
         "workflows": counts,
         "queue": {"name": keys.queue, **depth},

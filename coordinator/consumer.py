@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
 from mcp_saga.coordinator.store import Store
+from mcp_saga.runtime import metrics, tracing
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry
@@ -88,8 +89,11 @@ class Coordinator:
                     self.process(self._read("0"), redelivered=True)
                     started = True
                 self.step()
+                if delay:
+                    metrics.REDIS_RECONNECTS.labels("coordinator").inc()
                 delay = 0.0
             except (RedisConnectionError, RedisTimeoutError) as exc:
+                metrics.REDIS_ERRORS.labels("coordinator").inc()
                 # A Redis restart must not end the process: a batch cut short is exactly a crash
                 # mid-batch (its entries stay pending and are claimed again), so wait and go on.
                 delay = min(MAX_OUTAGE_BACKOFF, delay * 2 or 0.05)
@@ -101,6 +105,7 @@ class Coordinator:
     def step(self) -> BatchResult:
         """One turn of the loop: a claim or a read, then the watchdog and housekeeping when due."""
         now = time.monotonic()
+        metrics.heartbeat()
         if now >= self._next_claim:
             self._next_claim = now + self.settings.claim_idle_ms / 2000
             claimed = self._claim()
@@ -143,10 +148,12 @@ class Coordinator:
         result = BatchResult(events=len(entries))
         if not entries:
             return result
-        now = time.time()
+        started, now = time.perf_counter(), time.time()
         groups, dead = self._decode(entries)
+        traces = tracing.event_traces(groups)
         created = self._record_fresh_steps(groups, now)
         committed, contended, conflicts = self._fold(groups, now, dead)
+        tracing.transitions(committed, traces, now)
         if os.environ.get("SAGA_TEST_CRASH_AFTER_COMMIT"):  # fault injection for the crash tests
             os._exit(70)
         result.jobs = self._dispatch(committed, ensure=redelivered)
@@ -166,6 +173,7 @@ class Coordinator:
                 )
         for entry_id, _, reason in dead:
             log.warning("dead-lettered an event", id=entry_id.decode(), reason=reason)
+        metrics.observe_batch(entries, dead, committed, len(created), conflicts, started)
         return result
 
     def _decode(self, entries: list[Entry]) -> tuple[Groups, list[DeadEntry]]:
@@ -269,6 +277,7 @@ class Coordinator:
         for job in jobs:
             if enqueue(self.queue, job, self.config.worker):
                 queued += 1
+                metrics.dispatched(job)
                 log.info(
                     "dispatched compensation",
                     workflow=job.workflow,
@@ -316,6 +325,7 @@ class Coordinator:
         oks = self.store.commit(dirty) if dirty else []
         lost = {v.workflow for v, ok in zip(dirty, oks, strict=True) if not ok}
         committed = [v for v in live if v.workflow not in lost]
+        metrics.transitions(committed)
         self._dispatch(committed, ensure=False)
         self.store.follow_up(committed, {v.workflow: self.machine.next_deadline(v) for v in committed}, [])
         return len(committed)

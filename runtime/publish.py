@@ -17,6 +17,7 @@ from mcp_saga.schemas.events import (
     FailedStep,
     Payload,
     StepCompleted,
+    TraceContext,
     WorkflowCompleted,
     WorkflowFailed,
     decode_entry,
@@ -62,6 +63,7 @@ def step_completed(
     recovery: Recovery | Mapping[str, Any] | None = None,
     annotations: Mapping[str, Any] | None = None,
     completed_at: str | float | None = None,
+    trace: TraceContext | None = None,
 ) -> StepCompleted:
     return StepCompleted(
         step=step,
@@ -72,6 +74,7 @@ def step_completed(
         recovery=wire(recovery),
         annotations=dict(annotations) if annotations else None,
         completed_at=utc_now() if completed_at is None else completed_at,
+        trace=trace,
     )
 
 
@@ -81,6 +84,7 @@ def workflow_failed(
     steps_completed: int | None = None,
     parallel: bool | None = None,
     on_failure: OnFailure | None = None,
+    trace: TraceContext | None = None,
 ) -> WorkflowFailed:
     if isinstance(failed_step, Mapping):
         error = failed_step.get("error")
@@ -91,6 +95,7 @@ def workflow_failed(
         steps_completed=steps_completed,
         parallel=parallel,
         on_failure=on_failure,
+        trace=trace,
     )
 
 

@@ -14,6 +14,10 @@ import msgspec
 from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, STATUSES, Keys
 from mcp_saga.schemas.records import Compensation, WorkflowState, comp_decoder, state_from_hash
 from redis import Redis
+from redis.exceptions import ResponseError
+
+# RQ's job registries besides the queue itself, as `saga stats` and the metrics name them.
+QUEUE_REGISTRIES = ("started", "scheduled", "deferred", "failed")
 
 
 class WorkflowSnapshot(msgspec.Struct, frozen=True):
@@ -126,6 +130,22 @@ class Reader:
         for workflow in names:
             pipe.hgetall(self.keys.state(workflow))
         return [(wf, state_from_hash(raw)) for wf, raw in zip(names, pipe.execute(), strict=True) if raw]
+
+    def queue_depth(self) -> dict[str, int]:
+        """Jobs of the RQ queue by state; counted without RQ's cleanup, so looking moves no job."""
+        from rq import Queue
+
+        queue = Queue(self.keys.queue, connection=self.redis)
+        return {"queued": queue.count} | {
+            name: getattr(queue, f"{name}_job_registry").get_job_count(cleanup=False) for name in QUEUE_REGISTRIES
+        }
+
+    def groups(self) -> list[dict[str, Any]]:
+        """`XINFO GROUPS` of the events stream ([] before anything was published); `lag` is None on Redis < 7."""
+        try:
+            return self.redis.xinfo_groups(self.keys.events)
+        except ResponseError:
+            return []
 
     def dead_letters(self, limit: int = 50) -> list[DeadLetter]:
         """Newest first."""

@@ -112,12 +112,36 @@ class WorkerSettings(_Strict):
     job_timeout: int = Field(default=300, ge=1)
 
 
+class MetricsSettings(_Strict):
+    """The Prometheus endpoint of each process (`/metrics`); off unless a port is given.
+
+    Loopback by default: metrics name servers and operations, which an operator may not want on
+    every interface. `token_env` names an environment variable holding a bearer token that scrapes
+    must present (Prometheus `authorization: {credentials: ...}`).
+    """
+
+    port: int | None = Field(default=None, ge=1, le=65535)
+    address: str = Field(default="127.0.0.1", min_length=1)
+    token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    # Seconds between two reads of the fleet-wide gauges (one process reads them; see runtime/metrics.py).
+    fleet_interval: float = Field(default=15.0, ge=1, le=3600)
+
+    def token(self) -> str | None:
+        if self.token_env is None:
+            return None
+        value = os.environ.get(self.token_env)
+        if not value:
+            raise ConfigError(f"metrics.token_env names {self.token_env!r}, which is not set (or empty)")
+        return value
+
+
 class Config(_Strict):
     prefix: str = Field(default="saga", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
     servers: dict[str, ServerConfig] = Field(default_factory=dict)
     policy: Policy = Field(default_factory=Policy)
     coordinator: CoordinatorSettings = Field(default_factory=CoordinatorSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
     @field_validator("servers")
     @classmethod

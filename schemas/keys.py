@@ -44,6 +44,11 @@ class Keys:
         return f"{self.prefix}:deadlines"
 
     @property
+    def metrics_reader(self) -> str:
+        """Which process reads the fleet-wide gauges for Prometheus (a short lease, see runtime/metrics.py)."""
+        return f"{self.prefix}:metrics:reader"
+
+    @property
     def group(self) -> str:
         """The consumer group every coordinator joins on the events stream."""
         return "coordinators"

@@ -114,6 +114,8 @@ class CompensationJob(Struct, rename="camel", frozen=True):
     prefix: str = "saga"
     # The step's place on the stack, so the worker reads the step with the record (-1: unknown).
     seq: int = -1
+    # W3C trace context (`traceparent`, `tracestate`) of the transition that dispatched this job.
+    trace: dict[str, str] | None = None
 
     @property
     def job_id(self) -> str:
