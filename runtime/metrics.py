@@ -104,7 +104,10 @@ BUILD = Info("saga_build", "mcp-saga version and the component this process runs
 # The bounded reason classes of a dead letter, by the start of `decode_entry`'s (and the machine's) message.
 _REASONS = (
     ("unknown-type", re.compile(r"unknown event type")),
-    ("invalid-id", re.compile(r"invalid workflow id|.* invalid step id")),
+    (
+        "invalid-id",
+        re.compile(r"invalid workflow id|.* invalid step id|[\w-]+ data: Expected `str` matching .* at `\$\.step`$"),
+    ),
     ("version", re.compile(r"unsupported wire version")),
     ("missing-field", re.compile(r"missing field")),
     ("too-large", re.compile(r"data is \d+ bytes")),

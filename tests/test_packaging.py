@@ -42,6 +42,7 @@ def test_the_wheel_installs_one_import_root(installed: Path) -> None:
         assert (installed / "mcp_saga" / part / "__init__.py").is_file(), part
     assert list((installed / "mcp_saga" / "coordinator" / "lua").glob("*.lua")), "Lua scripts are package data"
     assert list((installed / "mcp_saga" / "schemas" / "json").glob("*.json")), "JSON Schemas are package data"
+    assert list((installed / "mcp_saga" / "runtime" / "lua").glob("*.lua")), "the metrics lease script is package data"
 
 
 def test_sdk_imports_in_a_project_with_its_own_schemas_workers_and_saga(installed: Path, tmp_path: Path) -> None:
