@@ -51,3 +51,22 @@ def test_promtool_accepts_the_rules_and_their_unit_tests() -> None:
         ["promtool", "test", "rules", str(DEPLOY / "alerts.test.yaml")], capture_output=True, text=True, timeout=60
     )
     assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (Debian: prometheus)")
+def test_compose_s_prometheus_config_is_valid() -> None:
+    checked = subprocess.run(
+        ["promtool", "check", "config", str(DEPLOY / "prometheus.yml")], capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_dashboard_plots_only_metrics_that_exist(fake) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    names = exported_names(fake)
+    dashboard = json.loads((DEPLOY / "grafana" / "mcp-saga.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            used = set(re.findall(r"\bsaga_[a-z_]+", target["expr"]))
+            assert used and used <= names, (panel["title"], sorted(used - names))
