@@ -3,7 +3,8 @@
 Every figure is a ratio against a baseline measured in the same run on the same machine (absolute
 times drift on shared machines): ingest against the minimal Redis consume loop, latency and unwind
 against warm-session MCP calls, the worker against raw calls and RQ's own no-op jobs, the
-publisher against a bare `call_tool`. One private redis-server serves every part.
+publisher against a bare `call_tool`, ingest and worker with metrics and tracing on against off.
+One private redis-server serves every part.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from mcp_saga.cli.redis_server import resolve_redis
 from rich.console import Console
 
-from bench import coordinator, latency, publisher, worker
+from bench import coordinator, latency, observability, publisher, worker
 from bench.table import Row, print_table
 
 
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             ("latency and unwind", lambda: latency.measure(url, max(100, int(1000 * scale)), max(5, int(20 * scale)))),
             ("worker throughput", lambda: worker.rows(url, jobs=int(600 * scale), calls=int(1200 * scale))),
             ("publisher overhead", lambda: publisher.rows(url, rounds=max(5, int(20 * scale)))),
+            (
+                "metrics and tracing cost",
+                lambda: observability.rows(url, workflows=int(300 * scale), jobs=int(600 * scale), repeat=3),
+            ),
         ]
         for title, run in parts:
             with console.status(f"measuring {title} ..."):

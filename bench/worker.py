@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -84,7 +85,18 @@ def rq_jobs_per_second(redis: Redis, jobs: int) -> float:
     return jobs / (time.perf_counter() - started)
 
 
-def compensations_per_second(redis: Redis, url: str, config: Path, jobs: int, workers: int) -> float:
+def compensations_per_second(
+    redis: Redis,
+    url: str,
+    config: Path,
+    jobs: int,
+    workers: int,
+    *,
+    command: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    trace: dict[str, str] | None = None,
+) -> float:
+    """`command` replaces `python -m mcp_saga.workers` (bench/observability.py runs variants of it)."""
     redis.flushdb()
     keys, settings = Keys(PREFIX), WorkerSettings()
     queue = Queue(keys.queue, connection=redis)
@@ -97,12 +109,16 @@ def compensations_per_second(redis: Redis, url: str, config: Path, jobs: int, wo
         redis.hset(keys.comp(workflow), "s", comp_encoder.encode(record))
         job = CompensationJob(
             workflow=workflow, step="s", server="trivial", tool="noop", operation_id="noop_undo",
-            arguments={"n": n}, idempotency_key=key, dispatch=1, prefix=PREFIX,
+            arguments={"n": n}, idempotency_key=key, dispatch=1, prefix=PREFIX, trace=trace,
         )  # fmt: skip
         enqueue(queue, job, settings)
-    command = [sys.executable, "-m", "mcp_saga.workers", "--redis", url, "--config", str(config), "--burst"]
+    command = [*(command or [sys.executable, "-m", "mcp_saga.workers"]), "--redis", url, "--config", str(config)]
     procs = [
-        subprocess.Popen([*command, "--log-level", "WARNING", "--name", f"bench-{workers}-{i}"], cwd=REPO)
+        subprocess.Popen(
+            [*command, "--burst", "--log-level", "WARNING", "--name", f"bench-{workers}-{i}"],
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+        )
         for i in range(workers)
     ]
     try:
