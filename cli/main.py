@@ -51,6 +51,8 @@ def observe(config: Config, component: str, args: argparse.Namespace, connection
     from mcp_saga.schemas.keys import Keys
 
     tracing.setup(component)
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        raise CliError(f"--metrics-port {args.metrics_port}: a port is 1-65535")
 
     try:
         metrics.serve(config.metrics, component, port=args.metrics_port, redis=connection, keys=Keys(config.prefix))

@@ -370,6 +370,16 @@ def continued(carrier: Mapping[str, Any] | None) -> Iterator[None]:
         context.detach(token)
 
 
+def current_trace() -> TraceContext | None:
+    """The current span's context for an event, e.g. in a gateway's tools/call handler, where the
+    MCP SDK's server span continues the agent's `traceparent` from the request `_meta`."""
+    if "opentelemetry.trace" not in sys.modules:
+        return None
+    from opentelemetry import trace
+
+    return to_wire(carrier_of(trace.get_current_span()))
+
+
 def end(span: Any, error: str | None = None) -> None:
     if span is None:
         return

@@ -94,3 +94,10 @@ def test_the_metrics_section_is_validated() -> None:
         parse_config({"metrics": {"token_env": "not a name"}})
     with pytest.raises(ConfigError, match="SAGA_UNSET_TOKEN"):
         parse_config({"metrics": {"token_env": "SAGA_UNSET_TOKEN"}}).metrics.token()
+
+
+def test_a_bad_metrics_port_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from mcp_saga.cli.main import main
+
+    assert main(["coordinator", "--redis", "redis://127.0.0.1:1/0", "--metrics-port", "70000"]) == 2
+    assert "--metrics-port 70000: a port is 1-65535" in capsys.readouterr().err

@@ -347,3 +347,14 @@ def test_tracing_is_off_without_otel_variables() -> None:
     assert not tracing.wanted({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"})
     assert tracing.wanted({"OTEL_TRACES_EXPORTER": "otlp"})
     assert tracing.wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
+
+
+def test_a_front_end_reads_the_current_trace_for_its_events() -> None:
+    """What the gateway puts in a step-completed: the context of the span it handles the call in."""
+    _agent_tracer()
+    assert tracing.current_trace() is None  # no span: nothing to carry
+    with trace.get_tracer("test").start_as_current_span("tools/call charge") as span:
+        carried = tracing.current_trace()
+    context = span.get_span_context()
+    assert carried is not None
+    assert carried.traceparent == f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
