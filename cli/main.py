@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from mcp_saga.cli import demo, ops
+from mcp_saga.cli import act, check, demo, look
 from mcp_saga.cli.args import CliError, config_of, redis_url
 from mcp_saga.runtime.logs import configure
 from mcp_saga.schemas.config import Config, ConfigError
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=cmd_worker)
 
-    for module in (ops, demo):
+    for module in (look, act, check, demo):
         module.register(sub, common)
     return parser
 

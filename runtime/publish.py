@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from mcp_saga.schemas.events import (
+    TEXT_MAX,
     FailedStep,
     Payload,
     StepCompleted,
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     import redis.asyncio
 
 OnFailure = Literal["halt", "continue"]
-TEXT_MAX = 8192  # `Text` fields of the contract (reason, error); longer ones are cut, not refused
 
 
 def utc_now() -> str:
@@ -42,6 +42,7 @@ def utc_now() -> str:
 
 
 def clip(text: str, limit: int = TEXT_MAX) -> str:
+    """Free text cut to the contract's cap with a marker: a long reason is shortened, never refused."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import fakeredis
 import pytest
 import yaml
 from test_metrics import exported_names
@@ -33,8 +34,8 @@ def test_the_issue_s_pages_are_all_there() -> None:
     assert "server" in alerts()["SagaCompensationsFailing"]["expr"]  # per server, as the issue asks
 
 
-def test_every_rule_names_real_metrics_and_says_what_to_do(fake) -> None:  # type: ignore[no-untyped-def]
-    names = exported_names(fake)
+def test_every_rule_names_real_metrics_and_says_what_to_do() -> None:
+    names = exported_names(fakeredis.FakeRedis())
     for name, rule in alerts().items():
         assert rule["labels"]["severity"] in {"page", "ticket"}, name
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
@@ -61,10 +62,10 @@ def test_compose_s_prometheus_config_is_valid() -> None:
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-def test_the_dashboard_plots_only_metrics_that_exist(fake) -> None:  # type: ignore[no-untyped-def]
+def test_the_dashboard_plots_only_metrics_that_exist() -> None:
     import json
 
-    names = exported_names(fake)
+    names = exported_names(fakeredis.FakeRedis())
     dashboard = json.loads((DEPLOY / "grafana" / "mcp-saga.json").read_text())
     for panel in dashboard["panels"]:
         for target in panel["targets"]:

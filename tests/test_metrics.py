@@ -5,6 +5,8 @@ The counts against a real run are in tests/test_observability.py.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import redis
 from mcp_saga.runtime import metrics
@@ -14,6 +16,16 @@ from mcp_saga.schemas.keys import Keys
 from prometheus_client import REGISTRY, CollectorRegistry
 
 STEP = b'{"step":"s1","server":"payments","tool":"charge","result":{}}'
+
+
+@pytest.fixture
+def fake() -> Iterator[redis.Redis]:
+    """The fleet collector's reads and its lease script, in process (fakeredis with Lua)."""
+    import fakeredis
+
+    client = fakeredis.FakeRedis()
+    yield client
+    client.flushall()
 
 
 def exported_names(r: redis.Redis) -> set[str]:

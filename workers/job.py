@@ -13,9 +13,7 @@ outcome is reported as final and returns normally, so RQ does not retry it.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from typing import Any
 
 import msgspec
 from mcp_saga.runtime import metrics, tracing
+from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.recovery_wire import IDEMPOTENCY_META_KEY, ToolDeclaration
 from mcp_saga.runtime.sessions import SessionError, SessionPool
@@ -46,7 +45,6 @@ from rq.timeouts import JobTimeoutException
 log = get_logger("worker")
 
 # Test-only: SIGKILL this worker right after the tool call returns, before its report.
-CRASH_AFTER_CALL_ENV = "SAGA_TEST_CRASH_AFTER_CALL"
 KEY_ARGUMENTS = ("idempotencyKey", "idempotency_key")
 # Reports must stay inside the wire contract's caps (`Text` fields, MAX_DATA_BYTES) or the
 # coordinator dead-letters them.
@@ -192,8 +190,7 @@ class _Attempt:
             return self._failed(str(exc), exc.retryable)
         except JobTimeoutException:  # RQ's job_timeout cut the attempt short: report it like a call timeout
             return self._failed("the RQ job timeout ran out during the attempt", True)
-        if os.environ.get(CRASH_AFTER_CALL_ENV) == "1":
-            os.kill(os.getpid(), signal.SIGKILL)
+        fail_point("worker.after-call")
         if result.get("isError"):
             text = _text(result) or "isError result without text"
             return self._failed(text, not _PERMANENT.match(text))
