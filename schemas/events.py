@@ -94,7 +94,7 @@ class StepCompleted(Wire):
     recovery: dict[str, Any] | None = None
     annotations: dict[str, Any] | None = None
     completed_at: str | float | None = None
-    trace: TraceContext | None = None  # the agent's span of this call (added in 0.3, optional)
+    trace: TraceContext | None = None  # the agent's span of this call (optional; older readers ignore it)
 
 
 class WorkflowFailed(Wire):
@@ -105,7 +105,7 @@ class WorkflowFailed(Wire):
     # Per-workflow overrides of the coordinator's defaults.
     parallel: bool | None = None
     on_failure: Literal["halt", "continue"] | None = None
-    trace: TraceContext | None = None  # the agent's span of the workflow (added in 0.3, optional)
+    trace: TraceContext | None = None  # the agent's span of the workflow (optional; older readers ignore it)
 
 
 class WorkflowCompleted(Wire):
@@ -126,7 +126,7 @@ class Report(Wire):
     arguments_digest: str | None = None
     duration_ms: float | None = None
     worker: str | None = None
-    trace: TraceContext | None = None  # the worker's span of this attempt (added in 0.3, optional)
+    trace: TraceContext | None = None  # the worker's span of this attempt (optional; older readers ignore it)
 
 
 class CompensationSucceeded(Report):

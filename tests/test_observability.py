@@ -15,6 +15,7 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
 from processes import free_port, saga_process, start_http_servers, stop, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -120,15 +122,23 @@ def _config(path: Path, urls: dict[str, str]) -> Path:
     return path
 
 
-def _agent_tracer() -> InMemorySpanExporter:
-    """The agent's own OpenTelemetry set-up (a process has one provider; later tests reuse it)."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
+@contextmanager
+def agent_tracer() -> Iterator[InMemorySpanExporter]:
+    """The agent's own OpenTelemetry set-up, for the length of the block.
+
+    A process has one global provider, which OpenTelemetry lets no one replace; undoing it the way
+    OpenTelemetry's own tests do keeps the SDK from tracing in the tests that run after these.
+    """
+    provider = TracerProvider()
     exporter = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
+    trace.set_tracer_provider(provider)
+    try:
+        yield exporter
+    finally:
+        provider.shutdown()
+        trace._TRACER_PROVIDER_SET_ONCE = Once()  # type: ignore[attr-defined]
+        trace._TRACER_PROVIDER = None  # type: ignore[attr-defined]
 
 
 async def _agent(urls: dict[str, str], redis_url: str) -> None:
@@ -165,14 +175,13 @@ def run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ru
     specs = [(module, "--db", str(tmp / f"{name}.db")) for name, module in SERVERS.items()]
     specs[list(SERVERS).index("payments")] += ("--fail-first", "1")
     specs.append(("tests.meta_server",))
-    exporter = _agent_tracer()
     server_env = {
         "SAGA_TEST_META_LOG": str(meta_log),
         "OTEL_TRACES_EXPORTER": "console",
         "SAGA_TRACES_FILE": str(tmp / "spans-server.jsonl"),  # only the notes server traces
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
-    with start_http_servers(*specs, env=server_env) as started:
+    with agent_tracer() as exporter, start_http_servers(*specs, env=server_env) as started:
         urls = {name: url for name, (_, url) in zip([*SERVERS, "notes"], started, strict=True)}
         config = _config(tmp / "saga.toml", urls)
         procs, ports = [], []
@@ -351,10 +360,11 @@ def test_tracing_is_off_without_otel_variables() -> None:
 
 def test_a_front_end_reads_the_current_trace_for_its_events() -> None:
     """What the gateway puts in a step-completed: the context of the span it handles the call in."""
-    _agent_tracer()
-    assert tracing.current_trace() is None  # no span: nothing to carry
-    with trace.get_tracer("test").start_as_current_span("tools/call charge") as span:
-        carried = tracing.current_trace()
+    with agent_tracer():
+        assert tracing.current_trace() is None  # no span: nothing to carry
+        with trace.get_tracer("test").start_as_current_span("tools/call charge") as span:
+            carried = tracing.current_trace()
+    assert not tracing.active()
     context = span.get_span_context()
     assert carried is not None
     assert carried.traceparent == f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
