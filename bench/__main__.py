@@ -4,7 +4,8 @@ Every figure is a ratio against a baseline measured in the same run on the same 
 times drift on shared machines): ingest against the minimal Redis consume loop, latency and unwind
 against warm-session MCP calls, the worker against raw calls and RQ's own no-op jobs, the
 publisher against a bare `call_tool`, the gateway against a direct call, ingest with a polled
-console against ingest without. One private redis-server serves every part.
+console against ingest without, ingest and worker with metrics and tracing on against off. One
+private redis-server serves every part.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from mcp_saga.cli.redis_server import resolve_redis
 from rich.console import Console
 
 from bench import console as console_cost
-from bench import coordinator, gateway, latency, publisher, worker
+from bench import coordinator, gateway, latency, observability, publisher, worker
 from bench.table import Row, print_table
 
 
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             ("publisher overhead", lambda: publisher.rows(url, rounds=max(5, int(20 * scale)))),
             ("ingest with an open console", lambda: console_cost.measure(url, int(1000 * scale), 10, 3)),
             ("gateway overhead", lambda: gateway.rows(url, rounds=max(5, int(20 * scale)))),
+            (
+                "metrics and tracing cost",
+                lambda: observability.rows(url, workflows=int(300 * scale), jobs=int(600 * scale), repeat=3),
+            ),
         ]
         for title, run in parts:
             with console.status(f"measuring {title} ..."):

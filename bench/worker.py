@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -85,25 +86,30 @@ def rq_jobs_per_second(redis: Redis, jobs: int) -> float:
     return jobs / (time.perf_counter() - started)
 
 
-def compensations_per_second(redis: Redis, url: str, config: Path, jobs: int, workers: int) -> float:
+def compensations_per_second(
+    redis: Redis,
+    url: str,
+    config: Path,
+    jobs: int,
+    workers: int,
+    *,
+    command: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    trace: dict[str, str] | None = None,
+) -> float:
+    """`command` replaces `python -m mcp_saga.workers` (bench/observability.py runs variants of it)."""
     redis.flushdb()
     keys, settings = Keys(PREFIX), WorkerSettings()
     queue = Queue(keys.queue, connection=redis)
-    for n in range(jobs):
-        workflow, key = f"bench-{n}", idempotency_key(f"bench-{n}", "s", "noop_undo")
-        record = Compensation(
-            step="s", seq=1, server="trivial", tool="noop", status="queued", operation_id="noop_undo",
-            arguments={"n": n}, idempotency_key=key, source="server", dispatch=1,
-        )  # fmt: skip
-        redis.hset(keys.comp(workflow), "s", comp_encoder.encode(record))
-        job = CompensationJob(
-            workflow=workflow, step="s", server="trivial", tool="noop", operation_id="noop_undo",
-            arguments={"n": n}, idempotency_key=key, dispatch=1, prefix=PREFIX,
-        )  # fmt: skip
+    for job in plant(redis, jobs, trace):
         enqueue(queue, job, settings)
-    command = [sys.executable, "-m", "mcp_saga.workers", "--redis", url, "--config", str(config), "--burst"]
+    command = [*(command or [sys.executable, "-m", "mcp_saga.workers"]), "--redis", url, "--config", str(config)]
     procs = [
-        subprocess.Popen([*command, "--log-level", "WARNING", "--name", f"bench-{workers}-{i}"], cwd=REPO)
+        subprocess.Popen(
+            [*command, "--burst", "--log-level", "WARNING", "--name", f"bench-{workers}-{i}"],
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+        )
         for i in range(workers)
     ]
     try:
@@ -121,6 +127,24 @@ def compensations_per_second(redis: Redis, url: str, config: Path, jobs: int, wo
     warm = max(first_by_worker.values())
     counted = [at for at, _ in reports if at > warm]
     return len(counted) / ((counted[-1] - warm) / 1000)
+
+
+def plant(redis: Redis, jobs: int, trace: dict[str, str] | None = None, first: int = 0) -> list[CompensationJob]:
+    """`jobs` queued compensation records of `noop_undo`, as a coordinator leaves them, and their jobs."""
+    keys, planted = Keys(PREFIX), []
+    for n in range(first, first + jobs):
+        workflow, key = f"bench-{n}", idempotency_key(f"bench-{n}", "s", "noop_undo")
+        record = Compensation(
+            step="s", seq=1, server="trivial", tool="noop", status="queued", operation_id="noop_undo",
+            arguments={"n": n}, idempotency_key=key, source="server", dispatch=1,
+        )  # fmt: skip
+        redis.hset(keys.comp(workflow), "s", comp_encoder.encode(record))
+        job = CompensationJob(
+            workflow=workflow, step="s", server="trivial", tool="noop", operation_id="noop_undo",
+            arguments={"n": n}, idempotency_key=key, dispatch=1, prefix=PREFIX, trace=trace,
+        )  # fmt: skip
+        planted.append(job)
+    return planted
 
 
 def rows(

@@ -19,7 +19,6 @@ from mcp_saga.runtime.reader import WorkflowSnapshot, decode_fields, state_field
 from mcp_saga.runtime.redis_checks import inspect_redis
 from mcp_saga.schemas.keys import STATUSES
 from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
-from redis.exceptions import ResponseError
 
 
 def load_workflow(ops: Ops, workflow: str) -> tuple[WorkflowState, dict[str, Compensation]]:
@@ -206,20 +205,17 @@ def cmd_stats(ops: Ops) -> int:
     for stream in (keys.events, keys.outcomes, keys.dead_letter):
         pipe.xlen(stream)
     events, outcomes, dead = pipe.execute()
-    try:
-        groups = [
-            {
-                "name": render.text(g["name"]),
-                "consumers": g["consumers"],
-                "pending": g["pending"],
-                "lag": g.get("lag"),
-                "lastDelivered": render.text(g["last-delivered-id"]),
-            }
-            for g in ops.r.xinfo_groups(keys.events)
-        ]
-    except ResponseError:  # no stream yet: nothing was ever published
-        groups = []
-    depth = ops.reader.queue_depth()
+    groups = [
+        {
+            "name": render.text(g["name"]),
+            "consumers": g["consumers"],
+            "pending": g["pending"],
+            "lag": g.get("lag"),
+            "lastDelivered": render.text(g["last-delivered-id"]),
+        }
+        for g in ops.reader.groups()
+    ]
+    depth = ops.reader.queue_depth()  # what the fleet gauges of runtime/metrics.py read too
     facts = inspect_redis(ops.r)
     stats = {
         "redis": msgspec.to_builtins(facts),

@@ -6,12 +6,16 @@ import argparse
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from mcp_saga.cli import act, check, console, demo, gateway, look
 from mcp_saga.cli.args import CliError, config_of, redis_url
 from mcp_saga.runtime.logs import configure
 from mcp_saga.runtime.redis_checks import RedisSetupError
-from mcp_saga.schemas.config import ConfigError
+from mcp_saga.schemas.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from redis import Redis
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -25,7 +29,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from mcp_saga.coordinator.consumer import Coordinator
 
     config = config_of(args)
-    coordinator = Coordinator(redis.Redis.from_url(redis_url(args)), config, name=args.name)
+    connection = redis.Redis.from_url(redis_url(args))
+    coordinator = Coordinator(connection, config, name=args.name)
+    observe(config, "coordinator", args, connection)
     return 0 if early else coordinator.run()
 
 
@@ -35,7 +41,26 @@ def cmd_worker(args: argparse.Namespace) -> int:
     config = config_of(args)
     if not config.servers:
         raise CliError("a worker needs a config naming the MCP servers it may call (--config FILE or SAGA_CONFIG)")
+    observe(config, "worker", args)
     return run_worker(redis_url(args), config, name=args.name, burst=args.burst)
+
+
+def observe(config: Config, component: str, args: argparse.Namespace, connection: Redis | None = None) -> None:
+    """Traces when the OTEL_* variables ask for them; `/metrics` for the process's lifetime (a daemon
+    thread) when `[metrics] port` or `--metrics-port` says so."""
+    from mcp_saga.runtime import metrics, tracing
+    from mcp_saga.schemas.keys import Keys
+
+    tracing.setup(component)
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        raise CliError(f"--metrics-port {args.metrics_port}: a port is 1-65535")
+
+    try:
+        metrics.serve(config.metrics, component, port=args.metrics_port, redis=connection, keys=Keys(config.prefix))
+    except OSError as exc:
+        raise CliError(
+            f"cannot serve metrics on {config.metrics.address}:{args.metrics_port or config.metrics.port}: {exc}"
+        ) from None
 
 
 def common(parser: argparse.ArgumentParser) -> None:
@@ -50,12 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coordinator", help="consume saga:events, keep workflow state, dispatch compensations")
     common(p)
     p.add_argument("--name", help="consumer name in the group (default: host-pid)")
+    p.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus /metrics here (default: [metrics] port, else off)"
+    )
     p.set_defaults(run=cmd_coordinator)
 
     p = sub.add_parser("worker", help="perform compensations from the RQ queue over MCP")
     common(p)
     p.add_argument("--name", help="worker name (default: RQ's)")
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    p.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus /metrics here (default: [metrics] port, else off)"
+    )
     p.set_defaults(run=cmd_worker)
 
     for module in (look, act, check, gateway, console, demo):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
 from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, index_item
+from mcp_saga.runtime import metrics, tracing
 from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.redis_checks import check_redis
@@ -152,8 +153,11 @@ class Coordinator:
                     self.process(self._read("0"), redelivered=True)
                     started = True
                 self.step()
+                if delay:
+                    metrics.REDIS_RECONNECTS.labels("coordinator").inc()
                 delay = 0.0
             except (RedisConnectionError, RedisTimeoutError) as exc:
+                metrics.REDIS_ERRORS.labels("coordinator").inc()
                 # A Redis restart must not end the process: a batch cut short is exactly a crash
                 # mid-batch (its entries stay pending and are claimed again), so wait and go on.
                 delay = min(MAX_OUTAGE_BACKOFF, delay * 2 or 0.05)
@@ -194,6 +198,7 @@ class Coordinator:
     def step(self) -> BatchResult:
         """One turn of the loop: a claim or a read, then the watchdog and housekeeping when due."""
         now = time.monotonic()
+        metrics.heartbeat()
         if now >= self._next_claim:
             self._next_claim = now + self.settings.claim_idle_ms / 2000
             claimed = self._claim()
@@ -236,10 +241,12 @@ class Coordinator:
         result = BatchResult(events=len(entries))
         if not entries:
             return result
-        now = time.time()
+        started, now = time.perf_counter(), time.time()
         groups, dead = self._decode(entries)
+        traces = tracing.event_traces(groups)
         fresh = self._record_fresh_steps(groups, now)
         committed, contended, conflicts = self._fold(groups, now, dead)
+        tracing.transitions(committed, traces, now)
         for view in committed:
             self._remember_steps(view.workflow, view.state.steps if view.state.status == "running" else None)
         fail_point("coordinator.after-commit")
@@ -265,6 +272,7 @@ class Coordinator:
                 )
         for entry_id, _, reason in dead:
             log.warning("dead-lettered an event", id=entry_id.decode(), reason=reason)
+        metrics.observe_batch(entries, dead, committed, sum(r.created for r in fresh.values()), conflicts, started)
         return result
 
     def _decode(self, entries: list[Entry]) -> tuple[Groups, list[DeadEntry]]:
@@ -383,6 +391,7 @@ class Coordinator:
         for job in jobs:
             if enqueue(self.queue, job, self.config.worker):
                 queued += 1
+                metrics.dispatched(job)
                 log.info(
                     "dispatched compensation",
                     workflow=job.workflow,
@@ -423,6 +432,7 @@ class Coordinator:
         oks = self.store.commit(dirty) if dirty else []
         lost = {v.workflow for v, ok in zip(dirty, oks, strict=True) if not ok}
         committed = [v for v in live if v.workflow not in lost]
+        metrics.transitions(committed)
         self._dispatch(committed, ensure=False)
         self.store.follow_up([index_item(v, self.machine.next_deadline(v), True) for v in committed], committed, [])
         self.store.settle(committed, [])

@@ -22,10 +22,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, get_args
 
 import redis.asyncio as aioredis
+from mcp_saga.runtime import tracing
 from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, clip, step_entry, workflow_failed
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
 from mcp_saga.schemas.events import (
     FailedStep,
+    TraceContext,
     WorkflowCompleted,
     check_step_id,
     check_workflow_id,
@@ -143,6 +145,7 @@ class Workflow:
         self._last_write: asyncio.Task[None] | None = None
         self._write_error: tuple[str, Exception] | None = None
         self._state = "new"
+        self._span: Any = None  # the workflow's OpenTelemetry span, when the agent traces
 
     async def __aenter__(self) -> Workflow:
         if self._state != "new":
@@ -152,6 +155,7 @@ class Workflow:
         retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
         connection = aioredis.Redis.from_url(self._url, retry=retry) if self._url is not None else self._redis
         self.publisher = AsyncPublisher(connection, self._prefix)
+        self._span = tracing.workflow_span(self.id)
         self._state = "open"
         return self
 
@@ -171,13 +175,16 @@ class Workflow:
                 return
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             failed = self._failed_step(exc)
-            payload = workflow_failed(reason, failed, self.steps_completed, self.parallel, self.on_failure)
+            payload = workflow_failed(
+                reason, failed, self.steps_completed, self.parallel, self.on_failure, tracing.wire_of(self._span)
+            )
             try:
                 await self.publisher.publish(self.id, payload)
             except Exception as error:  # the block's own exception is the one the caller must see
                 log.error("could not publish workflow-failed for %r: %r", self.id, error)
                 exc.add_note(f"mcp-saga: workflow-failed for {self.id!r} was NOT published: {error!r}")
         finally:
+            tracing.end(self._span, None if exc is None else type(exc).__name__)
             if self._url is not None:
                 await self.publisher.redis.aclose()
 
@@ -235,18 +242,22 @@ class Workflow:
         arguments = dict(arguments or {})
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inflight.add(done)
+        span = tracing.call_span(self._span, server, tool, step_id)
         try:
             try:
-                result = await client.call_tool(tool, arguments, **call_kwargs)
+                with tracing.current(span):
+                    result = await client.call_tool(tool, arguments, **call_kwargs)
                 if result.is_error:
                     raise ToolCallFailed(server, tool, step_id, result)
             except BaseException as exc:
                 self._used.discard(step_id)  # never published: the caller may retry under the same id
                 error = result_text(exc.result) if isinstance(exc, ToolCallFailed) else f"{type(exc).__name__}: {exc}"
                 self._failure = (exc, FailedStep(tool=tool, error=clip(error)))
+                tracing.end(span, error)
                 raise
+            tracing.end(span)
             self.steps_completed += 1
-            await self._publish_step(step_id, server, tool, arguments, result, listing)
+            await self._publish_step(step_id, server, tool, arguments, result, listing, tracing.wire_of(span))
             return result
         finally:
             self._inflight.discard(done)
@@ -264,6 +275,7 @@ class Workflow:
         arguments: dict[str, Any],
         result: CallToolResult,
         listing: asyncio.Future[dict[str, ToolDeclaration]],
+        trace: TraceContext | None = None,
     ) -> None:
         recovery, annotations = None, None
         try:
@@ -279,7 +291,7 @@ class Workflow:
             annotations = {k: v for k, v in declaration.annotations.items() if k != "recovery"} or None
         recovery = self._overlay(server, tool) or recovery
         wire = result.model_dump(by_alias=True, mode="json", exclude_none=True)
-        self._write(step, step_entry(self.id, step, server, tool, arguments, wire, recovery, annotations))
+        self._write(step, step_entry(self.id, step, server, tool, arguments, wire, recovery, annotations, trace))
 
     def _write(self, step: str, fields: dict[bytes, bytes]) -> None:
         """XADD in a task chained after the previous one: stream order is completion order, and the

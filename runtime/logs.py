@@ -2,7 +2,8 @@
 
 `log = get_logger("coordinator")`, then `log.info("dispatched", workflow="order-42", step="pay")`.
 JSON lines because operators ship them to a log store and filter by `workflow`; `SAGA_LOG=text`
-gives plain lines for a terminal.
+gives plain lines for a terminal. A line that names a workflow also names its OpenTelemetry
+`trace_id` once one of its events or jobs carried a trace context, so a log search leads to the trace.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 import sys
 import time
 from typing import Any
+
+from mcp_saga.runtime.tracing import trace_id
 
 
 class _JsonFormatter(logging.Formatter):
@@ -47,6 +50,10 @@ class Logger:
     def _emit(self, level: int, msg: str, exc_info: bool, fields: dict[str, Any]) -> None:
         if self._log.isEnabledFor(level):
             clean = {k: v for k, v in fields.items() if v is not None}
+            workflow = clean.get("workflow")
+            # The workflow's trace, as last seen on one of its events or jobs (runtime/tracing.py).
+            if isinstance(workflow, str) and "trace_id" not in clean and (known := trace_id(workflow)):
+                clean["trace_id"] = known
             self._log.log(level, msg, extra={"fields": clean}, exc_info=exc_info)
 
     def debug(self, msg: str, **fields: Any) -> None:

@@ -19,6 +19,7 @@ from mcp_saga.schemas.events import (
     FailedStep,
     Payload,
     StepCompleted,
+    TraceContext,
     WorkflowCompleted,
     WorkflowFailed,
     decode_entry,
@@ -64,6 +65,7 @@ def step_completed(
     recovery: Recovery | Mapping[str, Any] | None = None,
     annotations: Mapping[str, Any] | None = None,
     completed_at: str | float | None = None,
+    trace: TraceContext | None = None,
 ) -> StepCompleted:
     return StepCompleted(
         step=step,
@@ -74,6 +76,7 @@ def step_completed(
         recovery=wire(recovery),
         annotations=dict(annotations) if annotations else None,
         completed_at=utc_now() if completed_at is None else completed_at,
+        trace=trace,
     )
 
 
@@ -83,6 +86,7 @@ def workflow_failed(
     steps_completed: int | None = None,
     parallel: bool | None = None,
     on_failure: OnFailure | None = None,
+    trace: TraceContext | None = None,
 ) -> WorkflowFailed:
     if isinstance(failed_step, Mapping):
         error = failed_step.get("error")
@@ -93,6 +97,7 @@ def workflow_failed(
         steps_completed=steps_completed,
         parallel=parallel,
         on_failure=on_failure,
+        trace=trace,
     )
 
 
@@ -117,10 +122,11 @@ def step_entry(
     result: dict[str, Any],
     recovery: Mapping[str, Any] | None = None,
     annotations: Mapping[str, Any] | None = None,
+    trace: TraceContext | None = None,
 ) -> dict[bytes, bytes]:
     """The checked entry of a step-completed, without the text mirror of `structuredContent` if that
     is what puts it over the size cap (bindings read `structuredContent`); ValueError if still too big."""
-    payload = step_completed(step, server, tool, arguments, result, recovery, annotations)
+    payload = step_completed(step, server, tool, arguments, result, recovery, annotations, trace=trace)
     try:
         return checked_entry(workflow, payload)
     except ValueError:
@@ -128,7 +134,8 @@ def step_entry(
         if not oversize or "structuredContent" not in result or "content" not in result:
             raise
         lean = {k: v for k, v in result.items() if k != "content"}
-        return checked_entry(workflow, step_completed(step, server, tool, arguments, lean, recovery, annotations))
+        lean_payload = step_completed(step, server, tool, arguments, lean, recovery, annotations, trace=trace)
+        return checked_entry(workflow, lean_payload)
 
 
 def _encode(payload: Payload) -> bytes:

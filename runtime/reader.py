@@ -17,6 +17,9 @@ from mcp_saga.schemas.records import Compensation, WorkflowState, comp_decoder, 
 from redis import Redis
 from redis.exceptions import ResponseError
 
+# RQ's job registries besides the queue itself, as `saga stats` and the metrics name them.
+QUEUE_REGISTRIES = ("started", "scheduled", "deferred", "failed")
+
 
 class WorkflowSnapshot(msgspec.Struct, frozen=True):
     """Everything Redis holds about one workflow, decoded."""
@@ -193,13 +196,13 @@ class Reader:
         return f"{(version or b'-').decode()}.{newest[0][0].decode() if newest else '-'}"
 
     def queue_depth(self) -> dict[str, int]:
-        """Jobs in the RQ queue and its registries, counted without cleanup: looking must not move jobs."""
+        """Jobs of the RQ queue by state; counted without RQ's cleanup, so looking moves no job."""
         from rq import Queue
 
         queue = Queue(self.keys.queue, connection=self.redis)
         return {"queued": queue.count} | {
             name: getattr(queue, f"{name}_job_registry").get_job_count(cleanup=False)
-            for name in ("started", "scheduled", "deferred", "failed")
+            for name in QUEUE_REGISTRIES
         }
 
     def fleet(self) -> Fleet:
@@ -210,10 +213,7 @@ class Reader:
         for stream in (keys.events, keys.outcomes, keys.dead_letter):
             pipe.xlen(stream)
         events, outcomes, dead = pipe.execute()
-        try:
-            group = next((g for g in self.redis.xinfo_groups(keys.events) if text_of(g["name"]) == keys.group), None)
-        except ResponseError:  # no stream yet: nothing was ever published
-            group = None
+        group = next((g for g in self.groups() if text_of(g["name"]) == keys.group), None)
         consumers = []
         if group is not None:
             consumers = [
@@ -242,6 +242,13 @@ class Reader:
             workers=workers,
             queue=self.queue_depth(),
         )
+
+    def groups(self) -> list[dict[str, Any]]:
+        """`XINFO GROUPS` of the events stream ([] before anything was published); `lag` is None on Redis < 7."""
+        try:
+            return self.redis.xinfo_groups(self.keys.events)
+        except ResponseError:
+            return []
 
     def dead_letters(self, limit: int = 50) -> list[DeadLetter]:
         """Newest first."""

@@ -26,6 +26,7 @@ import httpx2
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.session import MessageHandlerFnT
 from mcp.client.streamable_http import streamable_http_client
+from mcp_saga.runtime import tracing
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
 from mcp_saga.schemas.config import ServerConfig
@@ -342,7 +343,8 @@ class SessionPool:
         """The CallToolResult as on the wire (camelCase); `isError` results are results, not errors."""
 
         async def call(client: Client) -> dict[str, Any]:
-            result = await client.call_tool(name, arguments or {}, meta=meta)
+            with tracing.continued(meta):  # the caller's trace, which the MCP SDK passes on in `_meta`
+                result = await client.call_tool(name, arguments or {}, meta=meta)
             return result.model_dump(by_alias=True, mode="json", exclude_none=True)
 
         return self._submit(server, call, timeout)

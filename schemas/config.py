@@ -167,6 +167,27 @@ class GatewaySettings(_Strict):
 class RedisSettings(_Strict):
     # Run even though the server's maxmemory-policy may delete keys (see runtime/redis_checks.py).
     allow_eviction: bool = False
+class MetricsSettings(_Strict):
+    """The Prometheus endpoint of each process (`/metrics`); off unless a port is given.
+
+    Loopback by default: metrics name servers and operations, which an operator may not want on
+    every interface. `token_env` names an environment variable holding a bearer token that scrapes
+    must present (Prometheus `authorization: {credentials: ...}`).
+    """
+
+    port: int | None = Field(default=None, ge=1, le=65535)
+    address: str = Field(default="127.0.0.1", min_length=1)
+    token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    # Seconds between two reads of the fleet-wide gauges (one process reads them; see runtime/metrics.py).
+    fleet_interval: float = Field(default=15.0, ge=1, le=3600)
+
+    def token(self) -> str | None:
+        if self.token_env is None:
+            return None
+        value = os.environ.get(self.token_env)
+        if not value:
+            raise ConfigError(f"metrics.token_env names {self.token_env!r}, which is not set (or empty)")
+        return value
 
 
 class Config(_Strict):
@@ -189,6 +210,7 @@ class Config(_Strict):
     def warnings(self) -> list[str]:
         """Settings that keep every guarantee but trade one off; logged at start-up."""
         return guarantee_problems(self)[1]
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
     @field_validator("servers")
     @classmethod

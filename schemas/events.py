@@ -71,10 +71,23 @@ Name = Annotated[str, Meta(min_length=1, max_length=128)]
 TEXT_MAX = 8192  # characters of a free-text field (reasons, errors, notes)
 BY_MAX = 200  # characters of an operator's name
 Text = Annotated[str, Meta(max_length=TEXT_MAX)]
+TRACEPARENT_MAX = 128  # 55 for version 00; room for a future version's longer form
+TRACESTATE_MAX = 512  # the W3C limit
 
 
 class Wire(Struct, rename="camel", omit_defaults=True, forbid_unknown_fields=False, frozen=True):
     """Base of every event payload: camelCase on the wire, unknown fields tolerated (forward compat)."""
+
+
+class TraceContext(Wire):
+    """W3C trace context (https://www.w3.org/TR/trace-context/) of the span that produced the event.
+
+    Optional and ignored by consumers that do not trace; a value that does not parse as a
+    `traceparent` is ignored too, never a reason to refuse the event.
+    """
+
+    traceparent: Annotated[str, Meta(max_length=TRACEPARENT_MAX)]
+    tracestate: Annotated[str, Meta(max_length=TRACESTATE_MAX)] | None = None
 
 
 class FailedStep(Wire):
@@ -92,6 +105,7 @@ class StepCompleted(Wire):
     recovery: dict[str, Any] | None = None
     annotations: dict[str, Any] | None = None
     completed_at: str | float | None = None
+    trace: TraceContext | None = None  # the agent's span of this call (optional; older readers ignore it)
 
 
 class WorkflowFailed(Wire):
@@ -102,6 +116,7 @@ class WorkflowFailed(Wire):
     # Per-workflow overrides of the coordinator's defaults.
     parallel: bool | None = None
     on_failure: Literal["halt", "continue"] | None = None
+    trace: TraceContext | None = None  # the agent's span of the workflow (optional; older readers ignore it)
 
 
 class WorkflowCompleted(Wire):
@@ -122,6 +137,7 @@ class Report(Wire):
     arguments_digest: str | None = None
     duration_ms: float | None = None
     worker: str | None = None
+    trace: TraceContext | None = None  # the worker's span of this attempt (optional; older readers ignore it)
 
 
 class CompensationSucceeded(Report):

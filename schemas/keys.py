@@ -57,6 +57,11 @@ class Keys:
         return [self.index_versions, self.deadlines, *(self.index(s) for s in STATUSES)]
 
     @property
+    def metrics_reader(self) -> str:
+        """Which process reads the fleet-wide gauges for Prometheus (a short lease, see runtime/metrics.py)."""
+        return f"{self.prefix}:metrics:reader"
+
+    @property
     def group(self) -> str:
         """The consumer group every coordinator joins on the events stream."""
         return "coordinators"

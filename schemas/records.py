@@ -123,6 +123,8 @@ class CompensationJob(Struct, rename="camel", frozen=True):
     # Attempts earlier dispatches of this compensation already used: this dispatch may make only
     # `attempts - attemptsUsed` more (the coordinator sizes the RQ Retry accordingly).
     attempts_used: int = 0
+    # W3C trace context (`traceparent`, `tracestate`) of the transition that dispatched this job.
+    trace: dict[str, str] | None = None
 
     @property
     def job_id(self) -> str:

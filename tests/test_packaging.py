@@ -45,6 +45,7 @@ def test_the_wheel_installs_one_import_root(installed: Path) -> None:
     assert list((installed / "mcp_saga" / "schemas" / "json").glob("*.json")), "JSON Schemas are package data"
     console = installed / "mcp_saga" / "console"
     assert (console / "templates" / "workflow.html").is_file() and (console / "static" / "console.js").is_file()
+    assert list((installed / "mcp_saga" / "runtime" / "lua").glob("*.lua")), "the metrics lease script is package data"
 
 
 def test_sdk_imports_in_a_project_with_its_own_schemas_workers_and_saga(installed: Path, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from mcp_saga.runtime import metrics, tracing
 from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.recovery_wire import IDEMPOTENCY_META_KEY, ToolDeclaration
@@ -129,6 +130,7 @@ class _Attempt:
         self.token = f"{ctx.name}:{uuid.uuid4().hex}"
         self.started = time.monotonic()
         self.report: Payload | None = None
+        self.traced: tracing.Attempt | None = None
         self.step_raw: bytes | None = None
 
     def run(self) -> str:
@@ -151,7 +153,8 @@ class _Attempt:
             return f"skipped: {outcome}"
         assert record is not None
         try:
-            return self._perform(record)
+            with tracing.attempt(job) as self.traced:
+                return self._perform(record)
         finally:
             self._finish()
 
@@ -178,7 +181,8 @@ class _Attempt:
             missing = [name for name in declaration.input_schema.get("required", []) if name not in arguments]
             if missing:
                 return self._failed(f"{job.operation_id}: missing required arguments: {', '.join(missing)}", False)
-            meta = {IDEMPOTENCY_META_KEY: job.idempotency_key}
+            # The attempt's W3C trace context travels in `_meta` too (`traceparent`, `tracestate`).
+            meta = {IDEMPOTENCY_META_KEY: job.idempotency_key, **(self.traced.carrier if self.traced else {})}
             timeout = self.ctx.config.servers[job.server].timeout
             self.started = time.monotonic()  # from here on, the duration is the call's
             result = pool.call_tool(job.server, job.operation_id, arguments, meta, timeout)
@@ -241,6 +245,7 @@ class _Attempt:
             "arguments_digest": arguments_digest(job.arguments),
             "duration_ms": self._elapsed_ms(),
             "worker": self.ctx.name,
+            "trace": self.traced.wire() if self.traced else None,
         }
 
     def _elapsed_ms(self) -> float:
@@ -249,6 +254,9 @@ class _Attempt:
     def _report(self, payload: Payload) -> None:
         """Written by `_finish`, before RQ sees the outcome: a retry never precedes its report."""
         self.report = payload
+        metrics.reported(payload)
+        if self.traced is not None:
+            self.traced.outcome(payload)
 
     def _finish(self) -> None:
         """The report and the lease release in one round trip."""

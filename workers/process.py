@@ -18,13 +18,13 @@ import logging
 import threading
 
 from mcp_saga.runtime.logs import configure, get_logger
+from mcp_saga.runtime.metrics import CountingRetry
 from mcp_saga.runtime.sessions import SessionPool
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.workers.job import clear_context, set_context
 from redis import Redis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.retry import Retry
 from rq import Queue, SimpleWorker
 from rq.timeouts import TimerDeathPenalty
 
@@ -73,7 +73,8 @@ def run_worker(
             )  # fmt: skip
     # redis-py's from_url connects without retries: a Redis restart during a job then escaped RQ's
     # failure handling and ended the process. With these, a restart of a few seconds goes unnoticed.
-    connection = Redis.from_url(redis_url, retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10))
+    retry = CountingRetry("worker", ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
+    connection = Redis.from_url(redis_url, retry=retry)
     queue = Queue(Keys(config.prefix).queue, connection=connection)
     worker = SimpleWorker([queue], connection=connection, name=name)
     slots = [

@@ -1,0 +1,392 @@
+"""OpenTelemetry traces from the agent's tool call to each compensation at the server (optional).
+
+One trace per workflow: the SDK opens a span for the workflow and one per recorded call, and puts
+the W3C trace context of each (`traceparent`, `tracestate`) in the event it publishes (`trace`).
+The coordinator's transition continues the context of the event that caused it and hands its own
+to the jobs it dispatches; the worker's attempt continues the job's, sends it to the MCP server in
+the `tools/call` request `_meta` (the convention proposed for MCP trace propagation) and returns it
+in its report, so the next transition continues from there.
+
+Off unless configured, and then nothing of OpenTelemetry is imported:
+
+- processes (`saga coordinator`, `saga worker`, the gateway) call `setup(component)`, which turns
+  tracing on when the standard variables ask for an exporter: `OTEL_TRACES_EXPORTER` (`otlp`,
+  `console`; `none` is off) or `OTEL_EXPORTER_OTLP_ENDPOINT` / `..._TRACES_ENDPOINT`, unless
+  `OTEL_SDK_DISABLED=true`. The exporter reads its own `OTEL_EXPORTER_OTLP_*` variables; sampling
+  follows `OTEL_TRACES_SAMPLER`; `OTEL_SERVICE_NAME` defaults to `saga-<component>`.
+  `SAGA_TRACES_FILE` sends the `console` exporter's spans to a file, one JSON object a line.
+- the SDK traces under the agent's own tracer provider when the agent has set one up (the
+  agent owns its OpenTelemetry configuration), or after `setup("agent")`.
+
+Where this process does not trace, a context that arrives is handed on unchanged, so a trace
+passes through an untraced coordinator. Whatever the configuration, the trace id of each workflow
+seen lately is remembered, so that every log line of a workflow names it (`runtime/logs.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from mcp_saga.schemas.events import Report, StepCompleted, TraceContext
+
+if TYPE_CHECKING:
+    from mcp_saga.schemas.records import CompensationJob
+
+TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+INSTRUMENTATION = "mcp_saga"
+_ON_VALUES = {"otlp", "console"}
+_state: dict[str, Any] = {"on": None}
+
+
+# Trace ids of recent workflows, for log lines --------------------------------------------------
+
+_RECENT_MAX = 10_000
+_recent: OrderedDict[str, str] = OrderedDict()
+_recent_lock = threading.Lock()
+
+
+def remember(workflow: str, carrier: Mapping[str, str] | TraceContext | None) -> None:
+    """Note a workflow's trace id (from a `traceparent`), so its log lines can carry it."""
+    traceparent = carrier.traceparent if isinstance(carrier, TraceContext) else (carrier or {}).get("traceparent")
+    match = TRACEPARENT.match(traceparent or "")
+    if match is None:
+        return
+    with _recent_lock:
+        _recent[workflow] = match.group(1)
+        _recent.move_to_end(workflow)
+        if len(_recent) > _RECENT_MAX:
+            _recent.popitem(last=False)
+
+
+def trace_id(workflow: str) -> str | None:
+    return _recent.get(workflow)
+
+
+# Configuration --------------------------------------------------------------------------------
+
+
+def wanted(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the standard OTEL_* variables ask for traces to be exported."""
+    if environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return False
+    exporters = {e.strip() for e in environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()}
+    if exporters:
+        return bool(exporters & _ON_VALUES)
+    return bool(environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+def setup(component: str) -> bool:
+    """Install a tracer provider from the environment when it asks for one; True when tracing is on."""
+    if _state["on"] is not None:
+        return _state["on"]
+    if not wanted():
+        _state["on"] = False
+        return False
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError:
+        sys.stderr.write("OTEL_* asks for traces but OpenTelemetry is not installed: pip install 'mcp-saga[tracing]'\n")
+        _state["on"] = False
+        return False
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"saga-{component}"})
+    provider = TracerProvider(resource=resource)
+    for exporter in _exporters():
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    _state["on"] = True
+    return True
+
+
+def _exporters() -> list[Any]:
+    names = {e.strip() for e in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")} & _ON_VALUES
+    exporters: list[Any] = []
+    if "otlp" in names:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporters.append(OTLPSpanExporter())
+    if "console" in names:
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        path = os.environ.get("SAGA_TRACES_FILE")
+        out = open(path, "a", buffering=1) if path else sys.stdout  # noqa: SIM115 - lives as long as the process
+        exporters.append(ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"))
+    return exporters
+
+
+def active() -> bool:
+    """Whether spans are recorded here: `setup` turned tracing on, or the agent configured OpenTelemetry."""
+    if _state["on"]:
+        return True
+    if "opentelemetry.trace" not in sys.modules:  # never imported: certainly off, and it stays unimported
+        return False
+    from opentelemetry import trace
+
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
+def shutdown() -> None:
+    """Export what is buffered (a process that ends by `os._exit` or a signal would lose it)."""
+    if _state["on"]:
+        from opentelemetry import trace
+
+        trace.get_tracer_provider().shutdown()  # type: ignore[attr-defined]
+
+
+# Spans ----------------------------------------------------------------------------------------
+
+
+def _tracer() -> Any:
+    from opentelemetry import trace
+
+    return trace.get_tracer(INSTRUMENTATION)
+
+
+def _parent(carrier: Mapping[str, str] | None) -> Any:
+    from opentelemetry.propagate import extract
+
+    return extract(dict(carrier)) if carrier else None
+
+
+def carrier_of(span: Any) -> dict[str, str]:
+    """The span's W3C context as the headers `traceparent` (and `tracestate`).
+
+    Formatted here rather than through the propagator, which builds a context to read it back
+    from and costs about as much as the span itself.
+    """
+    context = span.get_span_context()
+    if not context.is_valid:
+        return {}
+    headers = {"traceparent": f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"}
+    if context.trace_state:
+        headers["tracestate"] = context.trace_state.to_header()
+    return headers
+
+
+def to_wire(carrier: Mapping[str, str] | None) -> TraceContext | None:
+    if not carrier or "traceparent" not in carrier:
+        return None
+    return TraceContext(traceparent=carrier["traceparent"], tracestate=carrier.get("tracestate") or None)
+
+
+def from_wire(trace: TraceContext | None) -> dict[str, str] | None:
+    if trace is None or TRACEPARENT.match(trace.traceparent) is None:
+        return None
+    return {"traceparent": trace.traceparent} | ({"tracestate": trace.tracestate} if trace.tracestate else {})
+
+
+def start_span(
+    name: str,
+    parent: Mapping[str, str] | Any | None = None,
+    *,
+    kind: str = "INTERNAL",
+    start: float | None = None,
+    **attributes: Any,
+) -> Any:
+    """A started span (the caller ends it); `parent` is a carrier dict or a span, `start` a Unix time."""
+    from opentelemetry import trace
+
+    is_span = parent is not None and not isinstance(parent, Mapping)
+    context = trace.set_span_in_context(parent) if is_span else _parent(parent)
+    clean = {k: v for k, v in attributes.items() if v is not None}
+    start_time = int(start * 1e9) if start is not None else None
+    return _tracer().start_span(
+        name, context=context, kind=getattr(trace.SpanKind, kind), attributes=clean, start_time=start_time
+    )
+
+
+def fail(span: Any, description: str) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    span.set_status(Status(StatusCode.ERROR, description[:500]))
+
+
+# The coordinator ------------------------------------------------------------------------------
+
+
+def event_traces(groups: Mapping[str, Iterable[tuple[Any, Any]]]) -> dict[str, dict[str, str]]:
+    """Per workflow of a batch, the context of its last event (other than a step) that carried one.
+
+    Steps are left out: most events are steps of running workflows, which no transition span
+    follows (see `transitions`), and looking at each would cost ingest a few per cent.
+    """
+    found: dict[str, dict[str, str]] = {}
+    for workflow, items in groups.items():
+        for event, _ in items:
+            if type(event.data) is StepCompleted:
+                continue
+            carrier = from_wire(getattr(event.data, "trace", None))
+            if carrier is not None:
+                found[workflow] = carrier
+        if workflow in found:
+            remember(workflow, found[workflow])
+    return found
+
+
+def transitions(views: Iterable[Any], traces: Mapping[str, dict[str, str]], started: float) -> None:
+    """A span per committed transition of a traced workflow; its jobs carry that span's context.
+
+    Untraced here, the jobs carry the event's context unchanged. Recording a step of a running
+    workflow is not a transition worth a span (the agent's call span already shows it) and
+    never reaches here: those steps take the coordinator's fast path.
+    """
+    if not traces:
+        return
+    on = active()
+    for view in views:
+        carrier = traces.get(view.workflow)
+        if carrier is None:
+            continue
+        if on:
+            span = start_span(
+                "saga transition",
+                carrier,
+                start=started,  # the batch's start: the span covers the fold and the commit
+                **{
+                    "saga.workflow": view.workflow,
+                    "saga.status.from": view.loaded_status or "new",
+                    "saga.status.to": view.state.status,
+                    "saga.jobs": len(view.jobs),
+                },
+            )
+            carrier = carrier_of(span)
+            span.end()
+        if view.jobs:
+            view.jobs[:] = [_with_trace(job, carrier) for job in view.jobs]
+
+
+def _with_trace(job: CompensationJob, carrier: dict[str, str]) -> CompensationJob:
+    import msgspec
+
+    return msgspec.structs.replace(job, trace=carrier)
+
+
+# The worker -----------------------------------------------------------------------------------
+
+
+class Attempt:
+    """One compensation attempt's span, or the job's context passed through when this worker does not trace."""
+
+    def __init__(self, job: CompensationJob) -> None:
+        self.span: Any = None
+        self.carrier = dict(job.trace) if job.trace and TRACEPARENT.match(job.trace.get("traceparent", "")) else {}
+        if self.carrier:
+            remember(job.workflow, self.carrier)
+        if self.carrier and active():
+            self.span = start_span(
+                f"saga compensation {job.operation_id}",
+                self.carrier,
+                **{
+                    "saga.workflow": job.workflow,
+                    "saga.step": job.step,
+                    "saga.dispatch": job.dispatch,
+                    "saga.server": job.server,
+                    "gen_ai.tool.name": job.operation_id,
+                },
+            )
+            self.carrier = carrier_of(self.span)
+
+    def wire(self) -> TraceContext | None:
+        return to_wire(self.carrier)
+
+    def outcome(self, report: Report) -> None:
+        if self.span is None:
+            return
+        self.span.set_attribute("saga.attempt", report.attempt)
+        self.span.set_attribute("saga.outcome", report.TYPE)
+        error = getattr(report, "error", None) or getattr(report, "reason", None)
+        if report.TYPE != "compensation-succeeded":
+            fail(self.span, error or report.TYPE)
+
+    def end(self) -> None:
+        if self.span is not None:
+            self.span.end()
+            self.span = None
+
+
+@contextmanager
+def attempt(job: CompensationJob) -> Iterator[Attempt]:
+    traced = Attempt(job)
+    try:
+        yield traced
+    finally:
+        traced.end()
+
+
+# The agent (SDK) ------------------------------------------------------------------------------
+
+
+def workflow_span(workflow: str) -> Any:
+    """The span of a whole workflow, a child of whatever span the agent is in; None when not tracing."""
+    if not active():
+        return None
+    return start_span("saga workflow", None, **{"saga.workflow": workflow})
+
+
+def call_span(parent: Any, server: str, tool: str, step: str) -> Any:
+    """The span of one recorded step (the MCP SDK's own `tools/call` client span nests under it)."""
+    if parent is None:
+        return None
+    attributes = {"saga.step": step, "saga.server": server, "gen_ai.tool.name": tool}
+    return start_span(f"saga step {tool}", parent, **attributes)
+
+
+@contextmanager
+def current(span: Any) -> Iterator[None]:
+    """`span` as the current span: the MCP SDK (2.x traces each request, SEP-414) then opens its
+    client span under it and injects that span's context into the request `_meta`."""
+    if span is None:
+        yield
+        return
+    from opentelemetry import trace
+
+    with trace.use_span(span, end_on_exit=False):
+        yield
+
+
+@contextmanager
+def continued(carrier: Mapping[str, Any] | None) -> Iterator[None]:
+    """The context a carrier (a request `_meta`) names, as the current one: the worker's call runs
+    on the session pool's event loop, where the attempt's span is not current by itself."""
+    if not carrier or not isinstance(carrier.get("traceparent"), str):
+        yield
+        return
+    from opentelemetry import context
+    from opentelemetry.propagate import extract
+
+    token = context.attach(extract({k: v for k, v in carrier.items() if k in ("traceparent", "tracestate")}))
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
+def current_trace() -> TraceContext | None:
+    """The current span's context for an event, e.g. in a gateway's tools/call handler, where the
+    MCP SDK's server span continues the agent's `traceparent` from the request `_meta`."""
+    if "opentelemetry.trace" not in sys.modules:
+        return None
+    from opentelemetry import trace
+
+    return to_wire(carrier_of(trace.get_current_span()))
+
+
+def end(span: Any, error: str | None = None) -> None:
+    if span is None:
+        return
+    if error is not None:
+        fail(span, error)
+    span.end()
+
+
+def wire_of(span: Any) -> TraceContext | None:
+    return None if span is None else to_wire(carrier_of(span))

@@ -1,0 +1,115 @@
+"""runtime/metrics.py without processes: reason classes, the one fleet reader, the config section.
+
+The counts against a real run are in tests/test_observability.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+from mcp_saga.runtime import metrics
+from mcp_saga.schemas.config import ConfigError, parse_config
+from mcp_saga.schemas.events import InvalidEvent, decode_entry
+from mcp_saga.schemas.keys import Keys
+from prometheus_client import REGISTRY, CollectorRegistry
+
+STEP = b'{"step":"s1","server":"payments","tool":"charge","result":{}}'
+
+
+@pytest.fixture
+def fake() -> Iterator[redis.Redis]:
+    """The fleet collector's reads and its lease script, in process (fakeredis with Lua)."""
+    import fakeredis
+
+    client = fakeredis.FakeRedis()
+    yield client
+    client.flushall()
+
+
+def exported_names(r: redis.Redis) -> set[str]:
+    """Every sample name a process can export: the registry's and the fleet collector's."""
+    names = {s.name for family in REGISTRY.collect() for s in family.samples}
+    registry = CollectorRegistry()
+    registry.register(metrics.FleetCollector(r, Keys(), interval=1))
+    r.xgroup_create(Keys().events, Keys().group, id="0", mkstream=True)
+    names |= {s.name for family in registry.collect() for s in family.samples}
+    # Histograms and labelled counters export samples only once observed: name them by their family.
+    for family in REGISTRY.collect():
+        if family.name.startswith("saga_"):
+            names |= {family.name, f"{family.name}_total", f"{family.name}_count", f"{family.name}_sum"}
+            names.add(f"{family.name}_bucket")
+    return names
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({b"type": b"nope", b"workflow": b"w", b"data": b"{}"}, "unknown-type"),
+        ({b"type": b"workflow-completed", b"workflow": b"bad id", b"data": b"{}"}, "invalid-id"),
+        ({b"type": b"step-completed", b"workflow": b"w", b"data": STEP.replace(b"s1", b"bad step")}, "invalid-id"),
+        ({b"type": b"workflow-completed", b"workflow": b"w", b"data": b"{}", b"v": b"9"}, "version"),
+        ({b"type": b"workflow-completed", b"workflow": b"w"}, "missing-field"),
+        ({b"workflow": b"w", b"data": b"{}"}, "missing-field"),
+        ({b"type": b"workflow-failed", b"workflow": b"w", b"data": b"{" + b" " * 300_000 + b"}"}, "too-large"),
+        ({b"type": b"workflow-failed", b"workflow": b"w", b"data": b'{"reason": "\xff"}'}, "not-utf8"),
+        (
+            {
+                b"type": b"step-completed",
+                b"workflow": b"w",
+                b"data": STEP[:-1] + b',"arguments":' + b'{"a":' * 200 + b"1" + b"}" * 201,
+            },
+            "too-deep",
+        ),
+        ({b"type": b"workflow-failed", b"workflow": b"w", b"data": b'{"stepsCompleted": "two"}'}, "invalid-data"),
+    ],
+)
+def test_each_dead_letter_reason_falls_in_its_class(fields: dict[bytes, bytes], reason: str) -> None:
+    with pytest.raises(InvalidEvent) as refused:
+        decode_entry("1-0", fields)
+    assert metrics.reason_class(str(refused.value)) == reason
+
+
+def test_a_reason_of_the_state_machine_is_rejected() -> None:
+    assert metrics.reason_class("operator-approve for step s1, which is not awaiting approval") == "rejected"
+
+
+def test_server_and_operation_labels_are_capped() -> None:
+    pairs = metrics._Pairs(cap=2)
+    assert pairs("a", "x") == ("a", "x") and pairs("b", "y") == ("b", "y")
+    assert pairs("c", "z") == ("other", "other")
+    assert pairs("a", "x") == ("a", "x")
+
+
+def test_only_one_process_reads_the_fleet_gauges(fake: redis.Redis) -> None:
+    keys = Keys()
+    fake.zadd(keys.index("needs-attention"), {"wf-1": 1.0, "wf-2": 2.0})
+    one, two = (metrics.FleetCollector(fake, keys, interval=60, instance=name) for name in ("one", "two"))
+    first, second = list(one.collect()), list(two.collect())
+    assert [f.samples[0].value for f in first if f.name == "saga_fleet_reader"] == [1]
+    assert [f.samples[0].value for f in second if f.name == "saga_fleet_reader"] == [0]
+    assert [f.name for f in second] == ["saga_fleet_reader"]  # the other exports none of the gauges
+    (workflows,) = [f for f in first if f.name == "saga_workflows"]
+    assert {s.labels["status"]: s.value for s in workflows.samples}["needs-attention"] == 2
+    fake.delete(keys.metrics_reader)  # the reader died and its lease ran out
+    two._next = 0.0
+    assert [f.samples[0].value for f in two.collect() if f.name == "saga_fleet_reader"] == [1]
+
+
+def test_the_metrics_section_is_validated() -> None:
+    assert parse_config({}).metrics.port is None  # off by default
+    assert parse_config({"metrics": {"port": 9464}}).metrics.port == 9464
+    with pytest.raises(ConfigError, match=r"metrics.port: Input should be less than or equal to 65535"):
+        parse_config({"metrics": {"port": 70000}})
+    with pytest.raises(ConfigError, match=r"metrics.token_env"):
+        parse_config({"metrics": {"token_env": "not a name"}})
+    with pytest.raises(ConfigError, match="SAGA_UNSET_TOKEN"):
+        parse_config({"metrics": {"token_env": "SAGA_UNSET_TOKEN"}}).metrics.token()
+
+
+def test_a_bad_metrics_port_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from mcp_saga.cli.main import main
+
+    assert main(["coordinator", "--redis", "redis://127.0.0.1:1/0", "--metrics-port", "70000"]) == 2
+    assert "--metrics-port 70000: a port is 1-65535" in capsys.readouterr().err
