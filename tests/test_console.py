@@ -165,7 +165,7 @@ def test_tool_results_and_errors_render_as_text(web: TestClient, stuck: str) -> 
 
 
 def test_dead_letter_reasons_and_data_are_escaped(web: TestClient, r: redis.Redis, coord: Coordinator) -> None:
-    r.xadd(KEYS.events, {"type": "step-completed", "workflow": "order-5", "data": f'{{"step": "{XSS}"'})
+    r.xadd(KEYS.events, {"type": "step-completed", "workflow": "order-5", "data": f'{{"step": "{XSS}"}}'})
     pump(coord)
     page = web.get("/dead-letters", headers=ALICE).text
     assert "order-5" in page and "step-completed data: Expected `str` matching regex" in page
