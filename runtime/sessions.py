@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -212,9 +212,11 @@ class SessionPool:
     and a fork should not copy a running event loop).
     """
 
-    def __init__(self, servers: dict[str, ServerConfig], *, tools_ttl: float = 30.0):
+    def __init__(self, servers: dict[str, ServerConfig], *, tools_ttl: float = 30.0, per_server: int | None = None):
         self.servers = dict(servers)
         self.tools_ttl = tools_ttl
+        self.per_server = per_server
+        self._busy: dict[str, int] = {}
         self._owners: dict[str, _Owner] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -236,6 +238,25 @@ class SessionPool:
             return result.model_dump(by_alias=True, mode="json", exclude_none=True)
 
         return self._submit(server, call, timeout)
+
+    @contextlib.contextmanager
+    def slot(self, server: str) -> Iterator[bool]:
+        """Claim one of the `per_server` places a server may hold; yields False when none is free.
+
+        The pool's own calls never wait on each other (one task per call on one loop); what a hung
+        server can exhaust is the callers' threads, so the caller that gets False should not call.
+        """
+        with self._lock:
+            busy = self._busy.get(server, 0)
+            free = self.per_server is None or busy < self.per_server
+            if free:
+                self._busy[server] = busy + 1
+        try:
+            yield free
+        finally:
+            if free:
+                with self._lock:
+                    self._busy[server] -= 1
 
     def tools(self, server: str, *, refresh: bool = False) -> dict[str, ToolDeclaration]:
         """The server's live `tools/list`, recovery declarations included, cached `tools_ttl` seconds."""
@@ -287,7 +308,7 @@ class SessionPool:
         try:
             return await asyncio.wait_for(request.future, timeout)
         except TimeoutError:
-            raise CallTimeout(f"{owner.name}: no answer within {timeout:g}s") from None
+            raise CallTimeout(f"{owner.name}: no answer within {timeout:g} s") from None
 
     async def _close_all(self) -> None:
         tasks = []

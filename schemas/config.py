@@ -107,9 +107,17 @@ class WorkerSettings(_Strict):
     backoff_base: float = Field(default=1.0, ge=0)
     backoff_max: float = Field(default=60.0, ge=0)
     jitter: float = Field(default=0.5, ge=0, le=1)
+    # Seconds a lease outlives a worker that stopped renewing it (it is renewed every third of this).
     lease: float = Field(default=60.0, gt=0)
+    # Slots of one process that may wait on one server (0: all but one, so a hung server never
+    # takes the last slot); a job over the limit is deferred, not run (see workers/job.py).
+    per_server: int = Field(default=0, ge=0, le=64)
     tools_ttl: float = Field(default=30.0, ge=0, description="seconds a server's tools/list is cached")
     job_timeout: int = Field(default=300, ge=1)
+
+    @property
+    def slots_per_server(self) -> int:
+        return min(self.per_server or max(1, self.concurrency - 1), self.concurrency)
 
 
 class Config(_Strict):

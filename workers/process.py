@@ -18,10 +18,9 @@ import logging
 import threading
 
 from mcp_saga.runtime.logs import configure, get_logger
-from mcp_saga.runtime.sessions import SessionPool
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.keys import Keys
-from mcp_saga.workers.job import clear_context, set_context
+from mcp_saga.workers.job import clear_context, session_pool, set_context
 from redis import Redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
@@ -84,7 +83,7 @@ def run_worker(
         threading.Thread(target=slot.work, kwargs={"burst": burst, "logging_level": logging_level}, daemon=True)
         for slot in slots
     ]
-    pool = SessionPool(config.servers, tools_ttl=config.worker.tools_ttl)
+    pool = session_pool(config)
     set_context(connection, config, pool, worker.name)
     log.info(
         "worker started",
