@@ -11,6 +11,7 @@ from mcp_saga.schemas.expressions import (
     Constant,
     Expression,
     ExpressionError,
+    Structure,
     Template,
     UnresolvableError,
     parse_value,
@@ -45,7 +46,7 @@ def resolve(binding: Any, result: dict[str, Any] = CHARGE_RESULT) -> Any:
 
 @pytest.mark.parametrize(
     "value",
-    [59.97, 3, 0, None, True, False, {"a": "$response.body#/x"}, ["$url"], "refund", "", "costs 5$", "a {b} c"],
+    [59.97, 3, 0, None, True, False, {"a": "b"}, ["x", {"y": [1]}], "refund", "", "costs 5$", "a {b} c"],
 )
 def test_non_expressions_are_constants(value: Any) -> None:
     assert parse_value(value) == Constant(value)
@@ -530,3 +531,63 @@ def test_referenced_pointers_lists_every_expression_with_its_parameter() -> None
 def test_referenced_pointers_rejects_unparsable_bindings() -> None:
     with pytest.raises(ExpressionError, match="no HTTP method"):
         referenced_pointers({"m": "$method"})
+
+
+# Bindings inside arrays and objects, and the `*` projection (our extension)
+
+MEMORY_BODY = {"entities": [{"name": "Ada", "entityType": "person"}, {"name": "Bob", "entityType": "person"}]}
+MEMORY_RESULT = {"content": [{"type": "text", "text": json.dumps(MEMORY_BODY)}]}
+
+
+def test_an_expression_inside_an_array_is_resolved() -> None:
+    assert resolve(["$response.body#/entities/0/name"], MEMORY_RESULT) == ["Ada"]
+
+
+def test_expressions_anywhere_inside_arrays_and_objects_are_resolved_keeping_the_shape() -> None:
+    declared = {"who": ["$response.body#/entities/1/name", {"type": "$response.body#/entities/0/entityType"}]}
+    declared["note"] = {"order": "{$request.body#/orderId} undone", "fixed": [1, None]}
+    assert resolve(declared, MEMORY_RESULT) == {
+        "who": ["Bob", {"type": "person"}],
+        "note": {"order": "order-42 undone", "fixed": [1, None]},
+    }
+    binding = parse_value(declared)
+    assert isinstance(binding, Structure) and binding.keys == ("who", "note")
+
+
+def test_an_unparsable_expression_inside_an_array_is_an_error_not_a_constant() -> None:
+    with pytest.raises(ExpressionError, match="no URL"):
+        parse_value(["$url"])
+
+
+def test_an_unresolvable_expression_inside_an_object_makes_the_whole_set_unresolvable() -> None:
+    with pytest.raises(UnresolvableError, match=r"parameter 'names'.*entities/5"):
+        resolve_parameters({"names": ["$response.body#/entities/5/name"]}, arguments={}, result=MEMORY_RESULT)
+
+
+def test_star_projects_every_item_of_an_array() -> None:
+    assert resolve("$response.body#/entities/*/name", MEMORY_RESULT) == ["Ada", "Bob"]
+    assert resolve("$response.body#/entities/*", MEMORY_RESULT) == MEMORY_BODY["entities"]
+    assert resolve("$response.body#/entities/*/name", text_result('{"entities": []}')) == []
+    assert resolve("$request.body#/card/last4") == "4242"
+
+
+def test_nested_stars_give_nested_lists() -> None:
+    body = {"orders": [{"items": [{"sku": "A"}, {"sku": "B"}]}, {"items": []}]}
+    assert resolve("$response.body#/orders/*/items/*/sku", text_result(json.dumps(body))) == [["A", "B"], []]
+
+
+def test_star_on_an_object_is_the_plain_key_as_in_rfc_6901() -> None:
+    assert resolve("$response.body#/*", text_result('{"*": 5}')) == 5
+
+
+def test_a_projection_fails_naming_the_item_that_lacks_the_field() -> None:
+    body = {"entities": [{"name": "Ada"}, {"entityType": "person"}]}
+    with pytest.raises(UnresolvableError, match="key 'name' missing at /entities/1/name"):
+        resolve("$response.body#/entities/*/name", text_result(json.dumps(body)))
+    with pytest.raises(UnresolvableError, match="'\\*' projects an array, not a string at /entities/0/name/\\*"):
+        resolve("$response.body#/entities/*/name/*", MEMORY_RESULT)
+
+
+def test_referenced_pointers_finds_expressions_inside_structures() -> None:
+    found = referenced_pointers({"names": ["$response.body#/entities/*/name", {"k": "$request.body#/id"}]})
+    assert found == [("names", "response.body", ("entities", "*", "name")), ("names", "request.body", ("id",))]
