@@ -30,6 +30,11 @@ class Noop(BaseModel):
     n: int
 
 
+class Big(BaseModel):
+    n: int
+    data: str
+
+
 class NoopUndo(BaseModel):
     n: int
     undone: bool = True
@@ -46,6 +51,11 @@ def build(faults: Faults | None = None) -> MCPServer:
     def noop(n: int) -> Noop:
         """Return `n`."""
         return Noop(n=n)
+
+    @recoverable_tool(app, compensation("noop_undo", n="$response.body#/n"))
+    def big(n: int, size: int) -> Big:
+        """Return `n` with `size` bytes of data: a result far over the 256 KiB event cap."""
+        return Big(n=n, data="x" * size)
 
     @app.tool(annotations=ToolAnnotations(idempotentHint=True))
     async def noop_undo(n: int, idempotencyKey: str | None = None) -> NoopUndo:

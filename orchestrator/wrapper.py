@@ -22,9 +22,17 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, get_args
 
 import redis.asyncio as aioredis
-from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, checked_entry, clip, step_completed, workflow_failed
+from mcp_saga.runtime.publish import (
+    AsyncPublisher,
+    OnFailure,
+    checked_entry,
+    clip,
+    fit_step,
+    step_completed,
+    workflow_failed,
+)
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
-from mcp_saga.schemas.events import MAX_DATA_BYTES, STEP_ID, WORKFLOW_ID, FailedStep, WorkflowCompleted, encode_payload
+from mcp_saga.schemas.events import STEP_ID, WORKFLOW_ID, FailedStep, WorkflowCompleted
 from redis import Redis as SyncRedis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
@@ -217,10 +225,11 @@ class Workflow:
         `step` defaults to `"{n}-{tool}"`. Extra keyword arguments go to `Client.call_tool`
         (`read_timeout_seconds`, `meta`, ...). Raises `ToolCallFailed` for `isError: true`; a
         transport or protocol error propagates as is. Either way nothing is published for the call,
-        and the block's exit names it as the failed step. A step whose event cannot be written still
-        counts in `stepsCompleted`, so the coordinator flags it: over the size cap even without its
-        text mirror, this raises ValueError; a Redis error surfaces as `StepNotRecorded` from the
-        next call (before its tool runs), `flush()`, or the block's exit.
+        and the block's exit names it as the failed step. A result over the event cap is returned
+        whole; its event keeps what the recovery binds (`fit_step`). A step whose event cannot be
+        written still counts in `stepsCompleted`, so the coordinator flags it: a Redis error
+        surfaces as `StepNotRecorded` from the next call (before its tool runs), `flush()`, or the
+        block's exit.
         """
         if self._state != "open":
             raise RuntimeError(f"workflow {self.id!r} is {self._state}: call inside `async with`")
@@ -277,16 +286,10 @@ class Workflow:
             annotations = {k: v for k, v in declaration.annotations.items() if k != "recovery"} or None
         recovery = self._overlay(server, tool) or recovery
         wire = result.model_dump(by_alias=True, mode="json", exclude_none=True)
-        payload = step_completed(step, server, tool, arguments, wire, recovery, annotations)
-        try:
-            fields = checked_entry(self.id, payload)
-        except ValueError:
-            # Over the size cap, the text mirror of structuredContent is what can go: bindings read the latter.
-            oversize = len(encode_payload(payload)) > MAX_DATA_BYTES
-            if not oversize or "structuredContent" not in wire or "content" not in wire:
-                raise
-            wire = {k: v for k, v in wire.items() if k != "content"}
-            fields = checked_entry(self.id, step_completed(step, server, tool, arguments, wire, recovery, annotations))
+        payload, cut = fit_step(step_completed(step, server, tool, arguments, wire, recovery, annotations))
+        if cut is not None:  # the agent keeps the whole result; the event keeps what undoing needs
+            log.warning("workflow %r: %s", self.id, cut)
+        fields = checked_entry(self.id, payload)
         self._write(step, fields)
 
     def _write(self, step: str, fields: dict[bytes, bytes]) -> None:

@@ -55,6 +55,11 @@ _NO_COUNTERPART = {
     "$method": "MCP tool calls have no HTTP method (the operation is always tools/call)",
     "$statusCode": "MCP results have no status code (a result with isError true is never resolved)",
 }
+# Where a publisher that had to cut a step's result down to the event cap says so, in the stored
+# result's `_meta` (reverse-DNS, like our other keys): `bytes` (the original size), `cap`, `tool`,
+# `kept` (the pointers kept for the recovery's bindings), `complete` (whether they all fit) and
+# `argumentsCut` (whether the arguments had to be cut too).
+CUT_META_KEY = "io.github.mcp-saga/cut"
 _EXPECTED = "expected $response.body#/pointer, $request.body#/pointer or $response.header.<name>"
 
 
@@ -215,6 +220,22 @@ def response_body(result: dict[str, Any]) -> Any:
 
 
 def _evaluate(expr: Expression, arguments: dict[str, Any], result: dict[str, Any]) -> Any:
+    try:
+        return _read(expr, arguments, result)
+    except UnresolvableError as exc:
+        meta = result.get("_meta") if isinstance(result, dict) else None
+        cut = meta.get(CUT_META_KEY) if isinstance(meta, dict) else None
+        if not isinstance(cut, dict) or (expr.kind == "request.body" and not cut.get("argumentsCut")):
+            raise
+        kept = ", ".join(str(p) for p in cut.get("kept") or ()) or "nothing"
+        raise UnresolvableError(
+            expr.source,
+            f"{exc.reason}; the recorded step of {cut.get('tool')!r} was cut from {cut.get('bytes')} bytes to fit"
+            f" the {cut.get('cap')}-byte event cap (kept: {kept})",
+        ) from None
+
+
+def _read(expr: Expression, arguments: dict[str, Any], result: dict[str, Any]) -> Any:
     if expr.kind == "response.header":
         meta = result.get("_meta") if isinstance(result, dict) else None
         if not isinstance(meta, dict):
@@ -299,6 +320,48 @@ def referenced_pointers(parameters: dict[str, Any]) -> list[tuple[str, Kind, tup
             tokens = (part.name or "",) if part.kind == "response.header" else part.pointer
             found.append((name, part.kind, tokens))
     return found
+
+
+def keep_only(doc: Any, pointers: list[tuple[str, ...]]) -> Any:
+    """`doc` cut down to what the pointers read (with `*`), in the same places: every pointer that
+    resolves against `doc` resolves to the same value against the result. An array keeps its
+    length up to the last index read, with null in the places nothing reads."""
+    mask: Any = None
+    for tokens in pointers:
+        mask = _merge(mask, _mask(tokens))
+    return _apply(doc, mask) if mask is not None else None
+
+
+def _mask(tokens: tuple[str, ...]) -> Any:
+    mask: Any = True
+    for token in reversed(tokens):
+        mask = {token: mask}
+    return mask
+
+
+def _merge(a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return b if a is None else a
+    if a is True or b is True:
+        return True
+    return {key: _merge(a.get(key), b.get(key)) for key in a.keys() | b.keys()}
+
+
+def _apply(node: Any, mask: Any) -> Any:
+    if mask is True:
+        return node
+    if isinstance(node, dict):
+        return {key: _apply(node[key], sub) for key, sub in mask.items() if key in node}
+    if isinstance(node, list):
+        every = mask.get(WILDCARD)
+        indices = {int(key): sub for key, sub in mask.items() if key.isdigit() and int(key) < len(node)}
+        if every is not None:
+            return [_apply(item, _merge(every, indices.get(i))) for i, item in enumerate(node)]
+        kept = [None] * (max(indices) + 1 if indices else 0)
+        for i, sub in indices.items():
+            kept[i] = _apply(node[i], sub)
+        return kept
+    return node
 
 
 def expressions_in(binding: Binding) -> list[Expression]:

@@ -14,13 +14,15 @@ from mcp_saga.schemas.expressions import (
     Structure,
     Template,
     UnresolvableError,
+    keep_only,
     parse_value,
     referenced_pointers,
     resolve_parameters,
     resolve_value,
     response_body,
+    select,
 )
-from mcp_saga.schemas.pointer import format_pointer
+from mcp_saga.schemas.pointer import PointerError, format_pointer
 
 # The SEP's reference call: charge_payment returned this and is compensated by refund_payment.
 CHARGE_ARGUMENTS = {"orderId": "order-42", "amount": 59.97, "card": {"last4": "4242"}}
@@ -591,3 +593,33 @@ def test_a_projection_fails_naming_the_item_that_lacks_the_field() -> None:
 def test_referenced_pointers_finds_expressions_inside_structures() -> None:
     found = referenced_pointers({"names": ["$response.body#/entities/*/name", {"k": "$request.body#/id"}]})
     assert found == [("names", "response.body", ("entities", "*", "name")), ("names", "request.body", ("id",))]
+
+
+# keep_only: a document cut to what some pointers read
+
+
+def test_keep_only_keeps_exactly_what_the_pointers_read() -> None:
+    doc = {"id": 1, "blob": "x" * 100, "rows": [{"k": 1, "pad": 0}, {"k": 2, "pad": 0}], "list": [5, 6, 7, 8]}
+    kept = keep_only(doc, [("id",), ("rows", "*", "k"), ("list", "2"), ("missing", "x")])
+    assert kept == {"id": 1, "rows": [{"k": 1}, {"k": 2}], "list": [None, None, 7]}
+    assert keep_only(doc, []) is None
+    assert keep_only(doc, [("rows",), ("rows", "0", "k")]) == {"rows": doc["rows"]}
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from("ab*"), inner, max_size=3),
+    max_leaves=12,
+)
+tokens = st.lists(st.sampled_from(["a", "b", "*", "0", "1"]), max_size=3).map(tuple)
+
+
+@given(json_values, st.lists(tokens, min_size=1, max_size=4))
+def test_every_pointer_reads_the_same_from_the_kept_document(doc: Any, pointers: list[tuple[str, ...]]) -> None:
+    kept = keep_only(doc, pointers)
+    for pointer in pointers:
+        try:
+            expected = select(doc, pointer)
+        except PointerError:
+            continue
+        assert select(kept, pointer) == expected
