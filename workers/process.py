@@ -64,12 +64,6 @@ def run_worker(
     """Work the queue until stopped (or, with `burst`, until it is empty); returns the exit status."""
     if not logging.getLogger("saga").handlers:  # `saga worker` configured them already
         configure(logging_level)
-    for server, settings in config.servers.items():
-        if settings.timeout >= config.worker.lease:
-            log.warning(
-                "call timeout is not below the lease: a slow call may outlive its lease",
-                server=server, timeout=settings.timeout, lease=config.worker.lease,
-            )  # fmt: skip
     # redis-py's from_url connects without retries: a Redis restart during a job then escaped RQ's
     # failure handling and ended the process. With these, a restart of a few seconds goes unnoticed.
     connection = Redis.from_url(redis_url, retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10))
