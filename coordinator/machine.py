@@ -194,7 +194,7 @@ class Machine:
         self, workflow: str, data: StepCompleted, seq: int, late: bool, now: float, event_id: str = ""
     ) -> tuple[Compensation, list[dict[str, str]]]:
         """A step's compensation plan and the timeline entries that record it (also for the fast path)."""
-        plan = plan_step(workflow, data, seq, self.config.overlay(data.server, data.tool), now)
+        plan = plan_step(workflow, data, seq, self.config.overlay(data.server, data.tool), now, self.config.policy)
         comp = plan.compensation
         comp.late = late
         comp.event_id = event_id

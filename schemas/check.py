@@ -67,8 +67,14 @@ class Problem(msgspec.Struct, frozen=True):
 
 
 def check_declaration(
-    tool: str, recovery: dict[str, Any] | Recovery, tools: Mapping[str, ToolSchemas]
+    tool: str,
+    recovery: dict[str, Any] | Recovery,
+    tools: Mapping[str, ToolSchemas],
+    *,
+    self_inverse: bool = False,
 ) -> list[Problem]:
+    """`self_inverse`: whether this declaration may name `tool` itself (an operator overlay, or a
+    server's declaration the policy consents to; see `Policy.self_inverse_refusal`)."""
     try:
         declared = parse_recovery(recovery)
     except RecoveryError as exc:
@@ -83,8 +89,12 @@ def check_declaration(
     def report(field: str, message: str, severity: Severity = "error") -> None:
         problems.append(Problem(tool, field, message, severity))
 
-    if op.operation_id == tool:
-        report("compensatingOperation.operationId", f"names {tool!r} itself: compensating would call it again")
+    if op.operation_id == tool and not self_inverse:
+        report(
+            "compensatingOperation.operationId",
+            f"names {tool!r} itself: compensating would call it again (allowed in an overlay, or for a"
+            " server's declaration with [policy] self_inverse)",
+        )
     elif op.operation_id not in tools:
         report("compensatingOperation.operationId", f"the server does not list a tool {op.operation_id!r}")
 

@@ -500,7 +500,7 @@ compensatingOperation = {{ operationId = "no_such_tool", parameters = {{ n = "$r
     code = main(["check", "trivial", "--config", str(config), "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 1
-    assert report["tools"] == ["noop", "noop_undo"]
+    assert report["tools"] == ["big", "noop", "noop_undo"]
     checked = {(c["tool"], c["source"]): c["problems"] for c in report["checked"]}
     assert checked[("noop", "server (annotations)")] == []  # the server's own declaration is sound
     [problem] = [p for p in checked[("noop_undo", "overlay")] if p["severity"] == "error"]

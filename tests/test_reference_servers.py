@@ -20,6 +20,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,69 @@ backoff_base = 0
         {"entityNames": ["Ada", "Bob"]},
     )
     assert asyncio.run(graph()) == ["Grace"]  # the graph itself says: Ada and Bob are gone
+
+
+def test_move_file_is_undone_by_move_file_with_the_paths_swapped(
+    r: redis.Redis, redis_url: str, tmp_path: Path, npm_bin: Path
+) -> None:
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "report.txt").write_text("quarterly figures\n")
+    command = [str(npm_bin / "mcp-server-filesystem"), str(files)]
+    config = tmp_path / "saga.toml"
+    config.write_text(
+        f"""
+[servers.fs]
+command = {json.dumps(command)}
+
+# The server has no delete tool: moving the file back is the undo, and the operator says so.
+[servers.fs.recovery.move_file]
+strategy = "compensation"
+compensatingOperation.operationId = "move_file"
+compensatingOperation.parameters = {{ source = "$request.body#/destination", destination = "$request.body#/source" }}
+
+[coordinator]
+block_ms = 100
+
+[worker]
+attempts = 2
+backoff_base = 0
+"""
+    )
+
+    async def calls(workflow: str) -> None:
+        async with Client(StdioServerParameters(command=command[0], args=command[1:])) as client:
+            with pytest.raises(RuntimeError, match="later step"):
+                async with mcp_saga.workflow(
+                    workflow, redis=redis_url, servers={"fs": client}, config=load_config(config)
+                ) as wf:
+                    moved = {"source": str(files / "report.txt"), "destination": str(files / "archived.txt")}
+                    await wf.call("fs", "move_file", moved)
+                    assert (files / "archived.txt").exists()
+                    raise RuntimeError("a later step failed")
+
+    status = run_unwind(r, redis_url, config, tmp_path, "fs-1", calls)
+
+    assert status == b"compensated", (tmp_path / "worker.log").read_text()[-3000:]
+    assert sorted(p.name for p in files.iterdir()) == ["report.txt"]  # back where it was
+    assert (files / "report.txt").read_text() == "quarterly figures\n"
+    record = json.loads(r.hget(K.comp("fs-1"), "1-move_file"))
+    assert (record["source"], record["operationId"], record["arguments"]) == (
+        "overlay",
+        "move_file",
+        {"source": str(files / "archived.txt"), "destination": str(files / "report.txt")},
+    )
+
+
+def test_a_config_that_could_only_be_refused_stops_start_up_naming_the_field(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text('[servers.fs]\ncommand = ["mcp-server-filesystem"]\n\n[policy]\nself_inverse = ["move_file"]\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "mcp_saga.cli", "worker", "--config", str(config), "--redis", "redis://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "policy.self_inverse.0: 'move_file' is not a server:tool pattern" in done.stderr
