@@ -27,6 +27,7 @@ from mcp_saga.runtime.reader import Reader, decode_fields, state_fields
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.keys import STATUSES, Keys
 from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
+from mcp_saga.schemas.results import result_text
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -81,8 +82,7 @@ def _result_summary(result: Any) -> str:
         return render.text(result, 60)
     body = result.get("structuredContent")
     if body is None:
-        blocks = result.get("content") if isinstance(result.get("content"), list) else []
-        body = " ".join(str(b.get("text", "")) for b in blocks if isinstance(b, dict) and b.get("type") == "text")
+        body = result_text(result)
     return ("error: " if result.get("isError") else "") + render.text(body, 60)
 
 

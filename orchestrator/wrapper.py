@@ -33,6 +33,7 @@ from mcp_saga.runtime.publish import (
 )
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
 from mcp_saga.schemas.events import STEP_ID, WORKFLOW_ID, FailedStep, WorkflowCompleted
+from mcp_saga.schemas.results import result_text as _text_of
 from redis import Redis as SyncRedis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
@@ -73,8 +74,7 @@ def _declarations(client: Any) -> asyncio.Future[dict[str, ToolDeclaration]]:
 
 def result_text(result: CallToolResult) -> str:
     """What a failed call said, for the exception and `failedStep.error`."""
-    texts = [getattr(block, "text", "") for block in result.content]
-    return " ".join(t for t in texts if t) or "the tool reported an error (isError: true) without a message"
+    return _text_of(result) or "the tool reported an error (isError: true) without a message"
 
 
 class ToolCallFailed(Exception):

@@ -46,6 +46,7 @@ from typing import Any, Literal
 
 import msgspec
 from mcp_saga.schemas.pointer import WILDCARD, PointerError, format_pointer, json_type, parse_pointer, resolve_pointer
+from mcp_saga.schemas.results import text_blocks
 
 Kind = Literal["response.body", "request.body", "response.header"]
 
@@ -203,9 +204,7 @@ def response_body(result: dict[str, Any]) -> Any:
         raise UnresolvableError("$response.body", "the call failed (isError is true)")
     if result.get("structuredContent") is not None:
         return result["structuredContent"]
-    content = result.get("content")
-    blocks = [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
-    texts = [b.get("text") for b in blocks if b.get("type") == "text"]
+    texts = text_blocks(result)
     if len(texts) != 1:
         found = "no text content block" if not texts else f"{len(texts)} text content blocks"
         raise UnresolvableError("$response.body", f"no structuredContent and {found} (need exactly one)")

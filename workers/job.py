@@ -53,6 +53,7 @@ from mcp_saga.schemas.events import (
 )
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.records import SETTLED, Compensation, CompensationJob, arguments_digest, comp_decoder, job_decoder
+from mcp_saga.schemas.results import result_text
 from mcp_saga.workers import trust
 from mcp_saga.workers.lease import Lease
 from redis import Redis
@@ -263,7 +264,7 @@ class _Attempt:
         if os.environ.get(CRASH_AFTER_CALL_ENV) == "1":
             os.kill(os.getpid(), signal.SIGKILL)
         if result.get("isError"):
-            text = _text(result) or "isError result without text"
+            text = result_text(result, "\n") or "isError result without text"
             return self._failed(text, not _PERMANENT.match(text))
         self._report(CompensationSucceeded(**self._fields(final=True), result=_bounded(result)))
         self._log("info", "succeeded", duration_ms=self._elapsed_ms())
@@ -349,14 +350,9 @@ class _Attempt:
         )
 
 
-def _text(result: dict[str, Any]) -> str:
-    blocks = result.get("content") or []
-    return "\n".join(b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text").strip()
-
-
 def _bounded(result: dict[str, Any]) -> dict[str, Any]:
     """The result as reported; a huge one is cut down so that the report stays within the contract."""
     size = len(msgspec.json.encode(result))
     if size <= MAX_RESULT_BYTES:
         return result
-    return {"isError": False, "truncated": True, "bytes": size, "text": _text(result)[:MAX_TEXT]}
+    return {"isError": False, "truncated": True, "bytes": size, "text": result_text(result, "\n")[:MAX_TEXT]}

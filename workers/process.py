@@ -10,6 +10,13 @@ A process runs `[worker] concurrency` RQ workers over one session pool: the main
 owns the signals and the scheduler) and the others in threads. A compensation is mostly waiting
 for its MCP call, so one process with several slots overlaps one job's call with another's RQ
 bookkeeping instead of doing them one after the other.
+
+A slot in a thread needs three of RQ's private names (`_install_signal_handlers`,
+`dequeue_job_and_maintain_ttl`, `_stop_requested`): RQ's public stop, `request_stop`, installs
+signal handlers, which only the main thread may do, and RQ has no public hook for a worker that
+is not the process. So RQ is pinned to the range known to work (`pyproject.toml`: from 2.12,
+measured in FACTS.md, to 3.0, which this suite runs on), and `tests/test_worker_sessions.py`
+checks that the names still exist, so a newer RQ that renames them fails in CI, not in a worker.
 """
 
 from __future__ import annotations
