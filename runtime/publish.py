@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 from mcp_saga.schemas.events import (
     MAX_DATA_BYTES,
+    TEXT_MAX,
     FailedStep,
     Payload,
     StepCompleted,
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 OnFailure = Literal["halt", "continue"]
-TEXT_MAX = 8192  # `Text` fields of the contract (reason, error); longer ones are cut, not refused
 
 
 def utc_now() -> str:
@@ -55,6 +55,7 @@ def utc_now() -> str:
 
 
 def clip(text: str, limit: int = TEXT_MAX) -> str:
+    """`Text` fields of the contract (reason, error) longer than the cap are cut, not refused."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.publish import clip
 from mcp_saga.runtime.recovery_wire import IDEMPOTENCY_META_KEY, ToolDeclaration
 from mcp_saga.runtime.sessions import SessionError, SessionPool
 from mcp_saga.schemas.config import Config, WorkerSettings, load_config
@@ -66,9 +67,8 @@ log = get_logger("worker")
 # Test-only: SIGKILL this worker right after the tool call returns, before its report.
 CRASH_AFTER_CALL_ENV = "SAGA_TEST_CRASH_AFTER_CALL"
 KEY_ARGUMENTS = ("idempotencyKey", "idempotency_key")
-# Reports must stay inside the wire contract's caps (`Text` fields, MAX_DATA_BYTES) or the
-# coordinator dead-letters them.
-MAX_TEXT = 4000
+# A report carries the compensating tool's result for the timeline; a huge one is cut to this, far
+# inside the contract's MAX_DATA_BYTES, since nothing binds from it.
 MAX_RESULT_BYTES = 64 * 1024
 
 # The SDK reports an unknown tool and rejected arguments as ordinary `isError` results; these
@@ -297,9 +297,9 @@ class _Attempt:
 
     def _failed(self, error: str, retryable: bool) -> str:
         final = not retryable or self.retries_left == 0
-        report = CompensationFailed(**self._fields(final=final), error=error[:MAX_TEXT], retryable=retryable)
+        report = CompensationFailed(**self._fields(final=final), error=clip(error), retryable=retryable)
         self._report(report)
-        self._log("warning" if final else "info", "failed", retryable=retryable, final=final, error=error[:MAX_TEXT])
+        self._log("warning" if final else "info", "failed", retryable=retryable, final=final, error=clip(error))
         if not final:
             raise RetryableFailure(error)
         return f"failed: {error[:200]}"
@@ -355,4 +355,4 @@ def _bounded(result: dict[str, Any]) -> dict[str, Any]:
     size = len(msgspec.json.encode(result))
     if size <= MAX_RESULT_BYTES:
         return result
-    return {"isError": False, "truncated": True, "bytes": size, "text": result_text(result, "\n")[:MAX_TEXT]}
+    return {"isError": False, "truncated": True, "bytes": size, "text": clip(result_text(result, "\n"))}
