@@ -40,8 +40,8 @@ import redis
 from mcp_saga.cli.procs import REPO, free_port, saga_process, wait_until_accepting
 from mcp_saga.cli.redis_server import NoRedisError, RedisServer, find_redis_server
 from mcp_saga.examples.ledger import TRANSIENT_PREFIX, read_state
+from mcp_saga.runtime.failpoints import FAILPOINTS_ENV
 from mcp_saga.schemas.keys import DEAD_REASON, STATUSES, Keys
-from mcp_saga.workers.job import CRASH_AFTER_CALL_ENV
 
 import mcp_saga
 
@@ -570,13 +570,13 @@ class Cluster:
     def spawn_doomed(self) -> None:
         """An extra worker that SIGKILLs itself right after its first compensation call returns.
 
-        It uses the worker's test hook (`workers.job.CRASH_AFTER_CALL_ENV`): the call reached the
+        It arms the worker's fail point `worker.after-call` (runtime/failpoints.py): the call reached the
         server, the report never leaves, so the watchdog dispatches the same compensation again
         and only the idempotency key keeps the effect single. Random kills rarely land there.
         """
         n = len(self.doomed) + 1
         log = self.workdir / f"doomed-{n}.log"
-        env = {"SAGA_LOG": "json", CRASH_AFTER_CALL_ENV: "1"}
+        env = {"SAGA_LOG": "json", FAILPOINTS_ENV: "worker.after-call=kill"}
         proc = saga_process("worker", "--name", f"chaos-doomed-{n}", redis_url=self.url, config=self.config,
                             env=env, log=log)  # fmt: skip
         self.doomed.append(Doomed(proc, log))

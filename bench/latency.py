@@ -24,6 +24,7 @@ from mcp_saga.cli.procs import saga_process, start_http_server, stop
 from mcp_saga.cli.redis_server import resolve_redis
 from mcp_saga.examples import TRIVIAL
 from mcp_saga.runtime.recovery_wire import compensation
+from mcp_saga.schemas.config import Config, ServerConfig, WorkerSettings, write_config
 from mcp_saga.schemas.events import StepCompleted, WorkflowFailed, entry_fields
 from mcp_saga.schemas.keys import Keys
 from redis import Redis
@@ -95,7 +96,7 @@ def measure(redis_url: str, workflows: int, unwinds: int) -> list[Row]:
         arrivals_path = workdir / "arrivals"
         _, url = stack.enter_context(start_http_server(TRIVIAL, env={"SAGA_TRIVIAL_ARRIVALS": str(arrivals_path)}))
         config = workdir / "saga.toml"
-        config.write_text(f'[servers.trivial]\nurl = "{url}"\n\n[worker]\nattempts = 1\n')
+        write_config(Config(servers={"trivial": ServerConfig(url=url)}, worker=WorkerSettings(attempts=1)), config)
         procs = [
             saga_process(role, redis_url=redis_url, config=config, log=workdir / f"{role}.log")
             for role in ("coordinator", "worker")

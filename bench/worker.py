@@ -31,12 +31,13 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from mcp import Client
-from mcp_saga.cli.procs import REPO, start_http_server, stdio_params, stop
+from mcp_saga.cli.procs import REPO, start_http_server, stdio_params, stop_all
 from mcp_saga.cli.redis_server import RedisServer, find_redis_server
 from mcp_saga.coordinator.queue import enqueue
 from mcp_saga.examples import TRIVIAL
 from mcp_saga.runtime.sessions import SessionPool
-from mcp_saga.schemas.config import ServerConfig, WorkerSettings
+from mcp_saga.schemas import config as model
+from mcp_saga.schemas.config import Config, ServerConfig, WorkerSettings
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.records import Compensation, CompensationJob, comp_encoder, idempotency_key
 from redis import Redis
@@ -109,7 +110,7 @@ def compensations_per_second(redis: Redis, url: str, config: Path, jobs: int, wo
         for proc in procs:
             proc.wait(300)
     finally:
-        stop(*procs)
+        stop_all(*procs)
     entries = redis.xrange(keys.events)
     kinds = {fields[b"type"].decode() for _, fields in entries}
     assert kinds == {"compensation-succeeded"} and len(entries) == jobs, (kinds, len(entries))
@@ -148,10 +149,8 @@ def rows(
 
 
 def write_config(path: Path, target: str | None) -> None:
-    server_toml = f"url = {json.dumps(target)}" if target else (
-        f"command = {json.dumps([sys.executable, '-m', TRIVIAL])}\ncwd = {json.dumps(str(REPO))}"
-    )  # fmt: skip
-    path.write_text(f'prefix = "{PREFIX}"\n[servers.trivial]\n{server_toml}\n')
+    stdio = ServerConfig(command=[sys.executable, "-m", TRIVIAL], cwd=str(REPO))
+    model.write_config(Config(prefix=PREFIX, servers={"trivial": ServerConfig(url=target) if target else stdio}), path)
 
 
 def _server(url: str | None) -> ServerConfig:

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import redis
+from mcp_saga.runtime.reader import Reader
 from mcp_saga.schemas.config import Config, load_config
+from mcp_saga.schemas.keys import Keys
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 class CliError(Exception):
@@ -21,3 +29,67 @@ def redis_url(args: argparse.Namespace) -> str:
 
 def config_of(args: argparse.Namespace) -> Config:
     return load_config(getattr(args, "config", None))
+
+
+@dataclass(frozen=True, slots=True)
+class Ops:
+    args: argparse.Namespace
+    r: redis.Redis
+    keys: Keys
+    config: Config
+
+    @property
+    def reader(self) -> Reader:
+        return Reader(self.r, self.keys)
+
+
+def with_redis(fn: Callable[[Ops], int]) -> Callable[[argparse.Namespace], int]:
+    """Give a command its Redis client, and turn an unreachable Redis into one line instead of a traceback."""
+
+    @functools.wraps(fn)
+    def run(args: argparse.Namespace) -> int:
+        config = config_of(args)
+        client = redis.Redis.from_url(redis_url(args))
+        try:
+            return fn(Ops(args, client, Keys(config.prefix), config))
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise CliError(f"cannot reach Redis: {exc}") from None
+        finally:
+            client.close()
+
+    return run
+
+
+def positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be at least 1")
+    return number
+
+
+def seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not 0 <= number <= 86_400:
+        raise argparse.ArgumentTypeError(f"{value!r} must be within 0..86400 seconds")
+    return number
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    common: Callable[[argparse.ArgumentParser], None],
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    help: str,
+) -> argparse.ArgumentParser:
+    """A subcommand with the options every operator command shares (--redis, --config, --json)."""
+    p = sub.add_parser(name, help=help, description=help)
+    common(p)
+    p.add_argument("--json", action="store_true", help="machine-readable JSON instead of tables")
+    p.set_defaults(run=run)
+    return p

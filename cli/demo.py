@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 from mcp_saga.cli.redis_server import resolve_redis
+from mcp_saga.schemas.config import Config, CoordinatorSettings, ServerConfig, WorkerSettings, write_config
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.results import result_text
 from rich.console import Console
@@ -143,18 +144,16 @@ class Demo:
         raise DemoFailed(f"mcp-saga run ended {final!r} with state {saga_state}")
 
     def _config(self, urls: dict[str, str]) -> Path:
-        path = self.workdir / "saga.toml"
-        servers = "".join(f'[servers.{name}]\nurl = "{url}"\ntimeout = 10\n\n' for name, url in urls.items())
-        path.write_text(
-            servers + '[policy]\nauto = ["*"]\n\n[coordinator]\nblock_ms = 200\n\n'
-            "[worker]\nattempts = 3\nbackoff_base = 0.5\nbackoff_max = 2\n"
+        config = Config(
+            servers={name: ServerConfig(url=url, timeout=10) for name, url in urls.items()},
+            coordinator=CoordinatorSettings(block_ms=200),
+            worker=WorkerSettings(attempts=3, backoff_base=0.5, backoff_max=2),
         )
-        return path
+        return write_config(config, self.workdir / "saga.toml")
 
     @contextlib.contextmanager
     def _saga_processes(self, config: Path) -> Iterator[None]:
-        from mcp_saga.cli.procs import saga_process
-        from mcp_saga.cli.procs import stop as stop_all
+        from mcp_saga.cli.procs import saga_process, stop_all
 
         procs = [
             saga_process("coordinator", redis_url=self.redis_url, config=config, log=self.workdir / "coordinator.log"),

@@ -7,20 +7,22 @@ here, so a process is always waited for until it serves and always stopped, kill
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from mcp import StdioServerParameters
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
+T = TypeVar("T")
 
 
 def free_port(host: str = HOST) -> int:
@@ -98,7 +100,7 @@ def start_http_servers(
     """
     with ExitStack() as stack:
         started: list[tuple[subprocess.Popen[bytes], str, int, list[str], IO[bytes]]] = []
-        stack.callback(lambda: stop(*(proc for proc, *_ in started)))
+        stack.callback(lambda: stop_all(*(proc for proc, *_ in started)))
         for module, *args in specs:
             port = free_port(host)
             command = [sys.executable, "-m", module, "--http", str(port), "--host", host, *args]
@@ -121,8 +123,20 @@ def start_http_servers(
         yield [(proc, url) for proc, url, *_ in started]
 
 
-def stop(*procs: subprocess.Popen[bytes], grace: float = 5.0) -> None:
-    """Terminate all, then kill any that linger: a test must never leave a server behind."""
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+    """Signal one process and wait for it; its exit code (one that hangs past `timeout` is killed)."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def stop_all(*procs: subprocess.Popen[bytes], grace: float = 5.0) -> None:
+    """Terminate all at once, then kill any that linger: a test must never leave a server behind."""
     running = [proc for proc in procs if proc.poll() is None]
     for proc in running:
         proc.terminate()
@@ -133,3 +147,15 @@ def stop(*procs: subprocess.Popen[bytes], grace: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def wait_for(condition: Callable[[], T], timeout: float = 30, what: str = "condition") -> T:
+    """Poll until `condition()` is truthy; a bounded wait, not a timing assertion."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)

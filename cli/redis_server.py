@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from mcp_saga.cli.procs import free_port
 
 HOW_TO_GET_REDIS = (
     "no Redis available: set REDIS_URL=redis://host:port/0, or install a server "
@@ -31,12 +31,6 @@ HOW_TO_GET_REDIS = (
 
 class NoRedisError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def find_redis_server() -> str | None:

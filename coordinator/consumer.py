@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
 from mcp_saga.coordinator.store import Store
+from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.schemas.config import Config
-from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry
+from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry, stream_id
 from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, Keys
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -147,8 +148,7 @@ class Coordinator:
         groups, dead = self._decode(entries)
         created = self._record_fresh_steps(groups, now)
         committed, contended, conflicts = self._fold(groups, now, dead)
-        if os.environ.get("SAGA_TEST_CRASH_AFTER_COMMIT"):  # fault injection for the crash tests
-            os._exit(70)
+        fail_point("coordinator.after-commit")
         result.jobs = self._dispatch(committed, ensure=redelivered)
         unacked = {e.id for items in contended.values() for e, _ in items}
         ack = [i for i, _ in entries if i.decode() not in unacked]
@@ -345,14 +345,9 @@ class Coordinator:
                 floor.append(_next_id(last.decode() if isinstance(last, bytes) else last))
         if not floor:
             return 0
-        return self.redis.xtrim(self.keys.events, minid=min(floor, key=_id_key), approximate=False)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
+        return self.redis.xtrim(self.keys.events, minid=min(floor, key=stream_id), approximate=False)
 
 
 def _next_id(entry_id: str) -> str:
-    ms, seq = _id_key(entry_id)
+    ms, seq = stream_id(entry_id)
     return f"{ms}-{seq + 1}"

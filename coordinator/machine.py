@@ -27,6 +27,7 @@ from mcp_saga.schemas.events import (
     StepCompleted,
     WorkflowCompleted,
     WorkflowFailed,
+    stream_id,
 )
 from mcp_saga.schemas.operators import operator_refusal
 from mcp_saga.schemas.records import IN_FLIGHT, SETTLED, UNWINDING, Compensation, CompensationJob, WorkflowState
@@ -83,10 +84,10 @@ class WorkflowView:
 
 def completion_order(comp: Compensation) -> tuple[int, int, int]:
     """Where the step's event sits in the stream (XADD order is completion order), then arrival."""
-    ms, _, n = comp.event_id.partition("-")
-    if ms.isdigit() and n.isdigit():
-        return int(ms), int(n), comp.seq
-    return 0, 0, comp.seq
+    try:
+        return (*stream_id(comp.event_id), comp.seq)
+    except ValueError:  # a record written before it carried its event's id
+        return 0, 0, comp.seq
 
 
 class Machine:

@@ -6,15 +6,8 @@ parts live in subpackages mapped from the repository's top-level folders (see py
 `orchestrator`, `gateway` (side by side), `cli` (the `saga` command, on top).
 """
 
-from mcp_saga.orchestrator import (
-    AsyncPublisher,
-    Publisher,
-    StepNotRecorded,
-    ToolCallFailed,
-    Workflow,
-    forget_declarations,
-    workflow,
-)
+from mcp_saga.orchestrator.wrapper import StepNotRecorded, ToolCallFailed, Workflow, forget_declarations, workflow
+from mcp_saga.runtime.publish import AsyncPublisher, Publisher
 
 __version__ = "0.2.0"
 

@@ -1,14 +1,4 @@
-"""The publishing side for Python agents: the `workflow` wrapper (plain publishers live in runtime)."""
+"""The Python SDK: `mcp_saga.workflow(...)` wraps MCP clients so each successful call publishes a step.
 
-from mcp_saga.orchestrator.wrapper import StepNotRecorded, ToolCallFailed, Workflow, forget_declarations, workflow
-from mcp_saga.runtime.publish import AsyncPublisher, Publisher
-
-__all__ = [
-    "AsyncPublisher",
-    "Publisher",
-    "StepNotRecorded",
-    "ToolCallFailed",
-    "Workflow",
-    "forget_declarations",
-    "workflow",
-]
+Its public names are re-exported by `mcp_saga` itself; plain publishers live in `mcp_saga.runtime.publish`.
+"""

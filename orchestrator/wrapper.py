@@ -32,7 +32,7 @@ from mcp_saga.runtime.publish import (
     workflow_failed,
 )
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
-from mcp_saga.schemas.events import STEP_ID, WORKFLOW_ID, FailedStep, WorkflowCompleted
+from mcp_saga.schemas.events import FailedStep, WorkflowCompleted, check_step_id, check_workflow_id
 from mcp_saga.schemas.results import result_text as _text_of
 from redis import Redis as SyncRedis
 from redis.asyncio.retry import Retry
@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from mcp_types import CallToolResult
 
 log = logging.getLogger(__name__)
-_STEP_RE, _WORKFLOW_RE = re.compile(STEP_ID), re.compile(WORKFLOW_ID)
 _NOT_STEP_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 
 # One listing per live session, shared by every workflow that uses it: agents open clients once and
@@ -117,8 +116,7 @@ class Workflow:
         prefix: str | None = None,
         settle_timeout: float = 30.0,
     ) -> None:
-        if not isinstance(workflow_id, str) or not _WORKFLOW_RE.fullmatch(workflow_id):
-            raise ValueError(f"invalid workflow id {workflow_id!r} (must match {WORKFLOW_ID})")
+        check_workflow_id(workflow_id)
         if on_failure is not None and on_failure not in get_args(OnFailure):
             raise ValueError(f"on_failure must be one of {get_args(OnFailure)}, not {on_failure!r}")
         for name in servers:
@@ -201,8 +199,7 @@ class Workflow:
 
     def _step_id(self, tool: str, step: str | None) -> str:
         if step is not None:
-            if not isinstance(step, str) or not _STEP_RE.fullmatch(step):
-                raise ValueError(f"invalid step id {step!r} (must match {STEP_ID})")
+            check_step_id(step)
             if step in self._used:
                 raise ValueError(f"step id {step!r} is already used in workflow {self.id!r}")
         while step is None or step in self._used:

@@ -7,13 +7,20 @@ the timeline records who did what.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import Literal
 
 from mcp_saga.runtime.reader import Reader
-from mcp_saga.schemas.events import BY_MAX, STEP_ID, TEXT_MAX, WORKFLOW_ID, OperatorCommand, entry_fields
+from mcp_saga.schemas.events import (
+    BY_MAX,
+    TEXT_MAX,
+    OperatorCommand,
+    check_step_id,
+    check_workflow_id,
+    entry_fields,
+    stream_id,
+)
 from mcp_saga.schemas.keys import DEAD_ID, DEAD_REASON, Keys
 from mcp_saga.schemas.operators import COMMANDS, RETRYABLE, operator_refusal
 from mcp_saga.schemas.records import UNWINDING
@@ -47,9 +54,13 @@ class Sent:
     dead_mark: str | None
 
 
-def check_workflow_id(workflow: str) -> None:
-    if not re.fullmatch(WORKFLOW_ID, workflow):
-        raise CommandRefused(f"invalid workflow id {workflow[:80]!r} (must match {WORKFLOW_ID})")
+def check_ids(workflow: str, step: str | None = None) -> None:
+    try:
+        check_workflow_id(workflow)
+        if step is not None:
+            check_step_id(step)
+    except ValueError as exc:
+        raise CommandRefused(str(exc)) from None
 
 
 def prepare(reader: Reader, workflow: str, command: str, step: str | None, by: str, note: str = "") -> Prepared:
@@ -60,9 +71,7 @@ def prepare(reader: Reader, workflow: str, command: str, step: str | None, by: s
         raise CommandRefused(f"the operator's name must be 1 to {BY_MAX} characters")
     if len(note) > TEXT_MAX:
         raise CommandRefused(f"the note is {len(note)} characters; at most {TEXT_MAX}")
-    check_workflow_id(workflow)
-    if step is not None and not re.fullmatch(STEP_ID, step):
-        raise CommandRefused(f"invalid step id {step[:80]!r} (must match {STEP_ID})")
+    check_ids(workflow, step)
     if step is None and command != "retry":
         raise CommandRefused(f"{command} needs a step")
     loaded = reader.records(workflow)
@@ -136,12 +145,6 @@ def await_applied(redis: Redis, keys: Keys, sent: Sent, timeout: float) -> Outco
         if time.monotonic() >= deadline:
             return "pending"
         time.sleep(0.1)
-
-
-def stream_id(entry_id: str | bytes) -> tuple[int, int]:
-    """A stream entry id as a comparable pair (ms, seq)."""
-    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
-    return int(ms), int(seq or 0)
 
 
 def _last_id(redis: Redis, stream: str) -> str | None:

@@ -55,7 +55,7 @@ def utc_now() -> str:
 
 
 def clip(text: str, limit: int = TEXT_MAX) -> str:
-    """`Text` fields of the contract (reason, error) longer than the cap are cut, not refused."""
+    """Free text cut to the contract's cap with a marker: a long reason is shortened, never refused."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomli_w
 from mcp_saga.schemas.recovery import Recovery
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -208,3 +209,19 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> Config:
     if refusals := config.refusals():
         raise ConfigError("\n".join(f"{source}: {where}: {why}" for where, why in refusals))
     return config
+
+
+def dump_config(config: Config) -> str:
+    """The TOML text of a config: what `saga demo`, the tests and the benchmarks write for their processes.
+
+    Only the fields that differ from the defaults, so the file reads like one a person wrote;
+    `load_config` of the result gives back an equal `Config`.
+    """
+    data = config.model_dump(mode="json", by_alias=True, exclude_defaults=True, exclude_none=True)
+    return tomli_w.dumps(data)
+
+
+def write_config(config: Config, path: str | os.PathLike[str]) -> Path:
+    target = Path(path)
+    target.write_text(dump_config(config))
+    return target

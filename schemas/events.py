@@ -31,6 +31,30 @@ STEP_ID = r"^[A-Za-z0-9._:-]{1,64}$"
 _WORKFLOW_RE = re.compile(WORKFLOW_ID)
 _STEP_RE = re.compile(STEP_ID)
 
+
+
+def check_workflow_id(workflow: object) -> str:
+    """The workflow id, or ValueError saying what the contract requires."""
+    if not isinstance(workflow, str) or not _WORKFLOW_RE.fullmatch(workflow):
+        shown = workflow[:80] if isinstance(workflow, str) else workflow
+        raise ValueError(f"invalid workflow id {shown!r} (must match {WORKFLOW_ID})")
+    return workflow
+
+
+def check_step_id(step: object) -> str:
+    """The step id, or ValueError saying what the contract requires."""
+    if not isinstance(step, str) or not _STEP_RE.fullmatch(step):
+        shown = step[:80] if isinstance(step, str) else step
+        raise ValueError(f"invalid step id {shown!r} (must match {STEP_ID})")
+    return step
+
+
+def stream_id(entry_id: str | bytes) -> tuple[int, int]:
+    """A Redis stream entry id (`ms-seq`) as a pair that sorts like the stream; ValueError if it is none."""
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
 StepId = Annotated[str, Meta(pattern=STEP_ID)]
 Name = Annotated[str, Meta(min_length=1, max_length=128)]
 TEXT_MAX = 8192  # characters of a free-text field (reasons, errors, notes)
@@ -101,8 +125,9 @@ class CompensationFailed(Report):
 
 
 class CompensationRefused(Report):
-    TYPE: ClassVar[str] = "compensation-refused"
     """The trust checks or the policy stopped the call before it reached the server."""
+
+    TYPE: ClassVar[str] = "compensation-refused"
 
     status: Literal["awaiting-approval", "unrecoverable"] = "unrecoverable"
     reason: Text = ""
@@ -110,28 +135,24 @@ class CompensationRefused(Report):
 
 class OperatorCommand(Wire):
     step: StepId | None = None
-    by: Annotated[str, Meta(min_length=1, max_length=BY_MAX)] = "operator"
+    by: Annotated[str, Meta(max_length=BY_MAX)] = "operator"
     note: Text = ""
 
 
 class OperatorRetry(OperatorCommand):
     TYPE: ClassVar[str] = "operator-retry"
-    pass
 
 
 class OperatorResolve(OperatorCommand):
     TYPE: ClassVar[str] = "operator-resolve"
-    pass
 
 
 class OperatorSkip(OperatorCommand):
     TYPE: ClassVar[str] = "operator-skip"
-    pass
 
 
 class OperatorApprove(OperatorCommand):
     TYPE: ClassVar[str] = "operator-approve"
-    pass
 
 
 Payload = (
@@ -197,8 +218,10 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
     if decoder is None:
         raise InvalidEvent(f"unknown event type {kind[:80]!r}")
     workflow = _text(fields, "workflow")
-    if not _WORKFLOW_RE.fullmatch(workflow):
-        raise InvalidEvent(f"invalid workflow id {workflow[:80]!r} (must match {WORKFLOW_ID})")
+    try:
+        check_workflow_id(workflow)
+    except ValueError as exc:
+        raise InvalidEvent(str(exc)) from None
     version = fields.get(b"v", b"1")
     if version != b"1":
         raise InvalidEvent(f"unsupported wire version {version[:20]!r} (this coordinator speaks v1)")
@@ -218,8 +241,11 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes]) -> Event:
     if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and _too_deep(data):  # counting first: cheap
         raise InvalidEvent(f"{kind} data: JSON nested deeper than {MAX_DEPTH} levels")
     step = getattr(data, "step", None)
-    if step is not None and not _STEP_RE.fullmatch(step):  # msgspec's pattern check uses re.search
-        raise InvalidEvent(f"{kind} data: invalid step id {step[:80]!r} (must match {STEP_ID})")
+    if step is not None:  # msgspec's pattern check uses re.search
+        try:
+            check_step_id(step)
+        except ValueError as exc:
+            raise InvalidEvent(f"{kind} data: {exc}") from None
     return Event(id=entry_id, type=kind, workflow=workflow, data=data, raw=raw)
 
 
@@ -243,8 +269,7 @@ def encode_payload(payload: Payload) -> bytes:
 
 def entry_fields(workflow: str, payload: Payload) -> dict[str, bytes | str]:
     """The stream entry for a payload, as any publisher (or `redis-cli XADD`) would write it."""
-    if not _WORKFLOW_RE.fullmatch(workflow):
-        raise ValueError(f"invalid workflow id {workflow!r} (must match {WORKFLOW_ID})")
+    check_workflow_id(workflow)
     return {
         "type": payload.TYPE,
         "workflow": workflow,

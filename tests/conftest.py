@@ -30,12 +30,3 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
     yield client
     client.flushdb()
     client.close()
-
-
-@pytest.fixture
-def fake() -> Iterator[redis.Redis]:
-    import fakeredis
-
-    client = fakeredis.FakeRedis()
-    yield client
-    client.flushall()

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import redis
 from mcp_saga.coordinator.consumer import Coordinator
-from mcp_saga.schemas.config import parse_config
+from mcp_saga.schemas.config import Config, CoordinatorSettings, parse_config, write_config
 from mcp_saga.schemas.events import (
     CompensationSucceeded,
     StepCompleted,
@@ -185,8 +185,9 @@ def test_sigkill_between_commit_and_enqueue_loses_nothing_and_doubles_nothing(
     r: redis.Redis, redis_url: str, tmp_path
 ) -> None:
     """A coordinator dies right after its state commit, before the job is queued and the event acked."""
-    config = tmp_path / "saga.toml"
-    config.write_text("[coordinator]\nclaim_idle_ms = 300\nblock_ms = 50\n")
+    config = write_config(
+        Config(coordinator=CoordinatorSettings(claim_idle_ms=300, block_ms=50)), tmp_path / "saga.toml"
+    )
     publish(r, "crash", step("a"), step("b"), WorkflowFailed())
     doomed = saga_process(
         "coordinator", "--name", "doomed", redis_url=redis_url, config=config,

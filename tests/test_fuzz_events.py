@@ -29,7 +29,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mcp_saga.coordinator.consumer import Coordinator
-from mcp_saga.schemas.config import parse_config
+from mcp_saga.schemas.config import Config, CoordinatorSettings, parse_config, write_config
 from mcp_saga.schemas.events import (
     MAX_DATA_BYTES,
     MAX_DEPTH,
@@ -654,7 +654,7 @@ def test_hostile_entries_against_a_coordinator_process(redis_url: str, tmp_path:
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
     config = tmp_path / "saga.toml"
-    config.write_text("[coordinator]\nblock_ms = 20\n")
+    write_config(Config(coordinator=CoordinatorSettings(block_ms=20)), config)
     log = tmp_path / "coordinator.log"
     proc = saga_process("coordinator", "--name", "fuzzed", redis_url=redis_url, config=config, log=log)
     published = [0]

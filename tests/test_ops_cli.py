@@ -19,7 +19,8 @@ import pytest
 import redis
 from mcp_saga.cli.main import main
 from mcp_saga.coordinator.consumer import Coordinator
-from mcp_saga.schemas.config import Config, parse_config
+from mcp_saga.runtime.recovery_wire import compensation
+from mcp_saga.schemas.config import Config, parse_config, write_config
 from mcp_saga.schemas.events import (
     CompensationFailed,
     CompensationRefused,
@@ -485,18 +486,12 @@ def test_the_installed_command(redis_url: str, stuck: str) -> None:
 def test_check_reports_problems_per_tool_and_fails_on_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = tmp_path / "saga.toml"
-    config.write_text(
-        f"""
-[servers.trivial]
-command = [{json.dumps(sys.executable)}, "-m", "mcp_saga.examples.trivial"]
-cwd = {json.dumps(str(REPO))}
-
-[servers.trivial.recovery.noop_undo]
-strategy = "compensation"
-compensatingOperation = {{ operationId = "no_such_tool", parameters = {{ n = "$response.body#/n" }} }}
-"""
-    )
+    trivial = {
+        "command": [sys.executable, "-m", "mcp_saga.examples.trivial"],
+        "cwd": str(REPO),
+        "recovery": {"noop_undo": compensation("no_such_tool", n="$response.body#/n")},
+    }
+    config = write_config(parse_config({"servers": {"trivial": trivial}}), tmp_path / "saga.toml")
     code = main(["check", "trivial", "--config", str(config), "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 1

@@ -19,7 +19,8 @@ import pytest
 import redis
 from mcp import Client, StdioServerParameters
 from mcp_saga.cli.main import main as saga_main
-from mcp_saga.schemas.config import load_config
+from mcp_saga.runtime.recovery_wire import compensation
+from mcp_saga.schemas.config import load_config, parse_config, write_config
 from mcp_saga.schemas.keys import Keys
 from processes import saga_process, stop, wait_for
 
@@ -59,30 +60,18 @@ def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
 
 
-def write_config(path: Path, binary: Path, repo: Path) -> Path:
-    path.write_text(
-        f"""
-[servers.git]
-command = ["{binary}", "--repository", "{repo}"]
-timeout = 20
-
-[servers.git.recovery.git_add]
-strategy = "compensation"
-compensatingOperation = {{ operationId = "git_reset", parameters = {{ repo_path = "$request.body#/repo_path" }} }}
-
-# Plain-text results: this binding can never resolve, so the step must be unrecoverable.
-[servers.git.recovery.git_status]
-strategy = "compensation"
-compensatingOperation = {{ operationId = "git_reset", parameters = {{ repo_path = "$response.body#/repo" }} }}
-
-[coordinator]
-block_ms = 100
-
-[worker]
-attempts = 2
-backoff_base = 0
-"""
-    )
+def git_config(path: Path, binary: Path, repo: Path) -> Path:
+    git = {
+        "command": [str(binary), "--repository", str(repo)],
+        "timeout": 20,
+        "recovery": {
+            "git_add": compensation("git_reset", repo_path="$request.body#/repo_path"),
+            # Plain-text results: this binding can never resolve, so the step must be unrecoverable.
+            "git_status": compensation("git_reset", repo_path="$response.body#/repo"),
+        },
+    }
+    data = {"servers": {"git": git}, "coordinator": {"block_ms": 100}, "worker": {"attempts": 2, "backoff_base": 0}}
+    write_config(parse_config(data), path)
     return path
 
 
@@ -101,7 +90,7 @@ async def run_failing_workflow(workflow: str, redis_url: str, config: Path, bina
 def test_git_add_is_undone_by_the_overlay(
     r: redis.Redis, redis_url: str, tmp_path: Path, mcp_server_git: Path, repo: Path, capsys
 ) -> None:
-    config = write_config(tmp_path / "saga.toml", mcp_server_git, repo)
+    config = git_config(tmp_path / "saga.toml", mcp_server_git, repo)
     procs = [
         saga_process(role, redis_url=redis_url, config=config, log=tmp_path / f"{role}.log")
         for role in ("coordinator", "worker")

@@ -30,6 +30,7 @@ from mcp import Client
 from mcp_saga.cli.main import main as saga_main
 from mcp_saga.examples.ledger import read_state
 from mcp_saga.runtime.recovery_wire import compensation
+from mcp_saga.schemas.config import Config, CoordinatorSettings, Policy, ServerConfig, WorkerSettings, write_config
 from mcp_saga.schemas.events import StepCompleted, WorkflowFailed, entry_fields
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.records import Compensation, WorkflowState, comp_decoder, state_from_hash
@@ -129,14 +130,13 @@ class World:
 
 def _write_config(path: Path, urls: dict[str, str]) -> Path:
     """Policy: inventory releases wait for approval, shipping is denied, everything else runs."""
-    servers = "".join(f'[servers.{name}]\nurl = "{url}"\ntimeout = 5\n' for name, url in urls.items())
-    path.write_text(
-        servers
-        + '[policy]\nauto = ["*"]\napproval = ["inventory:release_inventory"]\ndeny = ["shipping:*"]\n'
-        + "[coordinator]\nblock_ms = 50\nclaim_idle_ms = 1000\nwatchdog_every = 0.2\n"
-        + "[worker]\nattempts = 2\nbackoff_base = 0\njitter = 0\nlease = 10\n"
+    config = Config(
+        servers={name: ServerConfig(url=url, timeout=5) for name, url in urls.items()},
+        policy=Policy(auto=["*"], approval=["inventory:release_inventory"], deny=["shipping:*"]),
+        coordinator=CoordinatorSettings(block_ms=50, claim_idle_ms=1000, watchdog_every=0.2),
+        worker=WorkerSettings(attempts=2, backoff_base=0, jitter=0, lease=10),
     )
-    return path
+    return write_config(config, path)
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,12 @@ import redis
 from mcp import Client
 from mcp_saga.coordinator.queue import enqueue
 from mcp_saga.examples.ledger import read_state
+from mcp_saga.runtime.failpoints import FAILPOINTS_ENV
+from mcp_saga.schemas import config as model
 from mcp_saga.schemas.config import WorkerSettings
 from mcp_saga.schemas.events import decode_entry
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.records import Compensation, CompensationJob, arguments_digest, comp_encoder, idempotency_key
-from mcp_saga.workers.job import CRASH_AFTER_CALL_ENV
 from processes import REPO, free_port, start_http_server, stdio_params, stop, wait_for, wait_until_accepting
 from rq import Queue, Worker
 from rq.job import Job
@@ -93,16 +94,8 @@ def reports(r: redis.Redis, workflow: str) -> list[tuple[str, Any]]:
 
 
 def write_config(path: Path, servers: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> Path:
-    """TOML by hand: the shapes used here are tables of strings, numbers, booleans and lists."""
-    lines = []
-    for name, server in servers.items():
-        lines.append(f"[servers.{name}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in server.items()]
-    for section, values in {"worker": FAST, **sections}.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    """Validated by the config model before it is written, like every config the tests hand a process."""
+    return model.write_config(model.parse_config({"servers": servers, "worker": FAST, **sections}), path)
 
 
 def worker_command(redis_url: str, config: Path, *extra: str) -> list[str]:
@@ -319,7 +312,7 @@ def test_a_worker_killed_between_call_and_report_causes_one_effect(
     config = write_config(tmp_path / "saga.toml", {"payments": {"url": payments_http}}, worker={**FAST, "lease": 1})
     job = plan(r, "order-8", "charge", {"transactionId": transaction})
 
-    crashed = run_burst(redis_url, config, env={CRASH_AFTER_CALL_ENV: "1"})
+    crashed = run_burst(redis_url, config, env={FAILPOINTS_ENV: "worker.after-call=kill"})
 
     assert crashed.returncode == -signal.SIGKILL
     assert reports(r, "order-8") == []  # the call happened, its report never did

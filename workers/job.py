@@ -30,15 +30,14 @@ and the other slots keep serving the other servers' compensations.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import msgspec
+from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.publish import clip
 from mcp_saga.runtime.recovery_wire import IDEMPOTENCY_META_KEY, ToolDeclaration
@@ -65,7 +64,6 @@ from rq.timeouts import JobTimeoutException
 log = get_logger("worker")
 
 # Test-only: SIGKILL this worker right after the tool call returns, before its report.
-CRASH_AFTER_CALL_ENV = "SAGA_TEST_CRASH_AFTER_CALL"
 KEY_ARGUMENTS = ("idempotencyKey", "idempotency_key")
 # A report carries the compensating tool's result for the timeline; a huge one is cut to this, far
 # inside the contract's MAX_DATA_BYTES, since nothing binds from it.
@@ -261,8 +259,7 @@ class _Attempt:
             return self._failed(str(exc), exc.retryable)
         except JobTimeoutException:  # RQ's job_timeout cut the attempt short: report it like a call timeout
             return self._failed("the RQ job timeout ran out during the attempt", True)
-        if os.environ.get(CRASH_AFTER_CALL_ENV) == "1":
-            os.kill(os.getpid(), signal.SIGKILL)
+        fail_point("worker.after-call")
         if result.get("isError"):
             text = result_text(result, "\n") or "isError result without text"
             return self._failed(text, not _PERMANENT.match(text))

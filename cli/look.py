@@ -1,0 +1,308 @@
+"""Looking at workflows and at the service: inspect, list, watch, stats, dead-letters.
+
+Each command fetches through `mcp_saga.runtime.reader` (the one reader of a workflow's keys), gets
+typed snapshots back, and renders them as tables or as JSON; nothing here writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from mcp_saga.cli import render
+from mcp_saga.cli.args import CliError, Ops, add_command, positive, with_redis
+from mcp_saga.runtime import operators
+from mcp_saga.runtime.reader import WorkflowSnapshot, decode_fields, state_fields
+from mcp_saga.schemas.keys import STATUSES
+from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
+from mcp_saga.schemas.results import result_text
+from redis.exceptions import ResponseError
+
+
+def load_workflow(ops: Ops, workflow: str) -> tuple[WorkflowState, dict[str, Compensation]]:
+    try:
+        operators.check_ids(workflow)
+    except operators.CommandRefused as exc:
+        raise CliError(str(exc)) from None
+    loaded = ops.reader.records(workflow)
+    if loaded is None:
+        raise CliError(f"no workflow {workflow!r} (never seen by a coordinator, or expired)")
+    return loaded
+
+
+def _result_summary(result: Any) -> str:
+    """The part of a CallToolResult a person looks for: its structured body, else its text."""
+    if not isinstance(result, dict):
+        return render.text(result, 60)
+    body = result.get("structuredContent")
+    if body is None:
+        body = result_text(result)
+    return ("error: " if result.get("isError") else "") + render.text(body, 60)
+
+
+def cmd_inspect(ops: Ops) -> int:
+    workflow = ops.args.workflow
+    load_workflow(ops, workflow)  # the id check and "no workflow" message
+    snapshot = ops.reader.snapshot(workflow, last=ops.args.last)
+    if snapshot is None:
+        raise CliError(f"workflow {workflow!r} expired just now")
+    if ops.args.json:
+        render.emit_json(snapshot_json(snapshot))
+    else:
+        render_snapshot(snapshot, ops.args.last)
+    return 0
+
+
+def snapshot_json(snapshot: WorkflowSnapshot) -> dict[str, Any]:
+    return {
+        "workflow": snapshot.workflow,
+        "state": state_fields(snapshot.state),
+        "expiresIn": snapshot.expires_in,
+        "steps": snapshot.steps,
+        "compensations": [msgspec.to_builtins(c) for c in snapshot.compensations.values()],
+        "timeline": snapshot.timeline,
+    }
+
+
+def render_snapshot(snapshot: WorkflowSnapshot, last: int | None) -> None:
+    out = render.console()
+    out.print(render.pairs(f"workflow {snapshot.workflow}", _state_rows(snapshot)))
+    columns = "#, step, server, tool, result, undo, completed"
+    out.print(
+        render.table("step stack (completion order)", columns, [_step_row(n, s) for n, s in enumerate(snapshot.steps)])
+    )
+    columns = "#, step, status, server, operation, source, attempts, dispatch, key, error / reason, flags"
+    out.print(
+        render.table(
+            "compensations (unwound from the bottom up)",
+            columns,
+            [_comp_row(c) for c in snapshot.compensations.values()],
+        )
+    )
+    title = "timeline" + (f" (last {last})" if last else "")
+    out.print(render.table(title, "time, type, step, detail", [_timeline_row(e) for e in snapshot.timeline]))
+
+
+def _state_rows(snapshot: WorkflowSnapshot) -> list[tuple[str, Any]]:
+    state, ttl = snapshot.state, snapshot.expires_in
+    announced = f", {state.expected_steps} announced" if state.expected_steps else ""
+    unwinding = ("parallel" if state.parallel else "one at a time") + f", on failure: {state.on_failure}"
+    return [
+        ("status", state.status),
+        ("reason", state.reason),
+        ("failed tool", state.failed_tool),
+        ("attention", state.attention),
+        ("steps", f"{state.steps} recorded{announced}"),
+        ("unwinding", unwinding if state.status in UNWINDING else ""),
+        ("barrier until", render.when(state.barrier_deadline)),
+        ("barrier expired", "yes" if state.barrier_expired else ""),
+        ("created", render.when(state.created_at)),
+        ("updated", render.when(state.updated_at)),
+        ("version", state.version),
+        ("expires in", f"{ttl / 3600:.1f} h" if ttl is not None else ""),
+    ]
+
+
+def _step_row(n: int, step: Any) -> tuple[Any, ...]:
+    if not isinstance(step, dict):
+        return (n, "?", "", "", render.text(step, 60), "", "")
+    recovery = step.get("recovery")
+    operation = recovery.get("compensatingOperation") if isinstance(recovery, dict) else None
+    completed = step.get("completedAt")
+    return (
+        n,
+        step.get("step"),
+        step.get("server"),
+        step.get("tool"),
+        _result_summary(step.get("result")),
+        operation.get("operationId") if isinstance(operation, dict) else "",
+        render.when(completed) if isinstance(completed, int | float) else completed,
+    )
+
+
+def _comp_row(c: Compensation) -> tuple[Any, ...]:
+    flags = " ".join(flag for flag, on in (("late", c.late), ("approved", c.approved)) if on)
+    return (
+        c.seq,
+        c.step,
+        c.status,
+        c.server,
+        c.operation_id,
+        c.source,
+        c.attempts,
+        c.dispatch,
+        c.idempotency_key,
+        c.last_error or c.reason,
+        flags,
+    )
+
+
+def _timeline_row(entry: dict[str, str]) -> tuple[Any, ...]:
+    detail = " ".join(f"{k}={v}" for k, v in entry.items() if k not in ("id", "at", "type", "step"))
+    return (render.when(entry.get("at")), entry.get("type"), entry.get("step"), detail)
+
+
+def cmd_list(ops: Ops) -> int:
+    limit = ops.args.limit
+    rows = [
+        {
+            "workflow": workflow,
+            "status": state.status,
+            "steps": state.steps,
+            "updatedAt": state.updated_at,
+            "attention": state.attention,
+        }
+        for workflow, state in ops.reader.recent(ops.args.status, limit)
+    ]
+    if ops.args.json:
+        render.emit_json(rows)
+        return 0
+    title = f"workflows ({ops.args.status or 'any status'}, newest first, at most {limit})"
+    columns = "workflow, status, steps, updated, attention"
+    cells = [(w["workflow"], w["status"], w["steps"], render.when(w["updatedAt"]), w["attention"]) for w in rows]
+    render.console().print(render.table(title, columns, cells))
+    return 0
+
+
+def cmd_watch(ops: Ops) -> int:
+    stream = ops.keys.outcomes
+    if ops.args.from_start:
+        last = "0-0"
+    else:  # the current end as an id, so nothing published between two reads is missed (as with `$`)
+        newest = ops.r.xrevrange(stream, count=1)
+        last = newest[0][0].decode() if newest else "0-0"
+    seen = 0
+    try:
+        while True:
+            # Short blocks: redis-py's default socket timeout (5 s) would cut a longer one off.
+            for _, entries in ops.r.xread({stream: last}, count=100, block=1000) or ():
+                for entry_id, fields in entries:
+                    last = entry_id.decode()
+                    outcome = decode_fields(fields)
+                    if ops.args.json:
+                        print(json.dumps({"id": last, **outcome}), flush=True)
+                    else:
+                        rest = " ".join(f"{k}={v}" for k, v in outcome.items() if k not in ("at", "type", "workflow"))
+                        print(
+                            f"{render.when(outcome.get('at'))}  {outcome.get('type', '?'):<24} "
+                            f"{outcome.get('workflow', '?')}  {rest}".rstrip(),
+                            flush=True,
+                        )
+                    seen += 1
+                    if ops.args.count and seen >= ops.args.count:
+                        return 0
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_stats(ops: Ops) -> int:
+    from rq import Queue
+
+    keys = ops.keys
+    counts = ops.reader.counts()
+    pipe = ops.r.pipeline(transaction=False)
+    for stream in (keys.events, keys.outcomes, keys.dead_letter):
+        pipe.xlen(stream)
+    events, outcomes, dead = pipe.execute()
+    try:
+        groups = [
+            {
+                "name": render.text(g["name"]),
+                "consumers": g["consumers"],
+                "pending": g["pending"],
+                "lag": g.get("lag"),
+                "lastDelivered": render.text(g["last-delivered-id"]),
+            }
+            for g in ops.r.xinfo_groups(keys.events)
+        ]
+    except ResponseError:  # no stream yet: nothing was ever published
+        groups = []
+    queue = Queue(keys.queue, connection=ops.r)
+    # Registry counts without cleanup: looking must not move jobs between registries.
+    depth = {"queued": queue.count} | {
+        name: getattr(queue, f"{name}_job_registry").get_job_count(cleanup=False)
+        for name in ("started", "scheduled", "deferred", "failed")
+    }
+    stats = {
+        "workflows": counts,
+        "queue": {"name": keys.queue, **depth},
+        "events": {"length": events, "groups": groups},
+        "outcomes": outcomes,
+        "deadLetters": dead,
+    }
+    if ops.args.json:
+        render.emit_json(stats)
+        return 0
+    out = render.console()
+    out.print(render.pairs("workflows by status", stats["workflows"].items(), skip_empty=False))
+    out.print(render.pairs(f"RQ queue {keys.queue!r}", depth.items(), skip_empty=False))
+    out.print(
+        render.pairs(
+            "streams",
+            [(keys.events, events), (keys.outcomes, outcomes), (keys.dead_letter, dead)],
+            skip_empty=False,
+        )
+    )
+    if groups:
+        columns = "group, consumers, pending, lag, last delivered"
+        rows = [(g["name"], g["consumers"], g["pending"], g["lag"], g["lastDelivered"]) for g in groups]
+        out.print(render.table(f"consumer groups on {keys.events}", columns, rows))
+    else:
+        out.print(f"no consumer group on {keys.events}: no coordinator has started", markup=False)
+    return 0
+
+
+def cmd_dead_letters(ops: Ops) -> int:
+    entries = [
+        {"id": d.id, "at": d.at, "reason": d.reason, "originalId": d.original_id, "fields": d.fields}
+        for d in ops.reader.dead_letters(ops.args.limit)
+    ]
+    if ops.args.json:
+        render.emit_json(entries)
+        return 0
+    render.console().print(
+        render.table(
+            f"{ops.keys.dead_letter} (newest first, at most {ops.args.limit})",
+            "dead-lettered, original id, type, workflow, reason, data",
+            [
+                (
+                    render.when(e["at"]),
+                    e["originalId"],
+                    e["fields"].get("type"),
+                    e["fields"].get("workflow"),
+                    e["reason"],
+                    render.text(e["fields"].get("data"), 80),
+                )
+                for e in entries
+            ],
+        )
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    p = add_command(
+        sub, common, "inspect", with_redis(cmd_inspect), "a workflow's state, step stack, compensations and timeline"
+    )
+    p.add_argument("workflow")
+    p.add_argument("--last", type=positive, metavar="N", help="show only the last N timeline entries")
+
+    p = add_command(sub, common, "list", with_redis(cmd_list), "workflows by status, newest first")
+    p.add_argument("--status", choices=STATUSES)
+    p.add_argument("--limit", type=positive, default=50, metavar="N", help="at most N workflows (default 50)")
+
+    help = "follow workflow and compensation outcomes (Ctrl-C to stop)"
+    p = add_command(sub, common, "watch", with_redis(cmd_watch), help)
+    p.add_argument("--from-start", action="store_true", help="print the outcomes already recorded first")
+    p.add_argument("--count", type=positive, metavar="N", help="exit after N outcomes")
+
+    add_command(
+        sub, common, "stats", with_redis(cmd_stats), "workflows by status, queue depth, streams and consumer lag"
+    )
+
+    help = "recent events the coordinator could not use, and why"
+    p = add_command(sub, common, "dead-letters", with_redis(cmd_dead_letters), help)
+    p.add_argument("--limit", type=positive, default=20, metavar="N", help="at most N entries (default 20)")
