@@ -22,7 +22,7 @@ from mcp_saga.schemas.events import MAX_DATA_BYTES, encode_payload
 from mcp_saga.schemas.expressions import CUT_META_KEY
 from mcp_saga.schemas.keys import Keys
 from processes import start_http_server
-from test_reference_servers import run_unwind
+from test_reference_servers import run_unwind, saga_config
 from test_worker_faults import arrivals
 
 import mcp_saga
@@ -68,17 +68,10 @@ def test_oversized_arguments_are_cut_to_what_the_recovery_reads_too() -> None:
 def test_a_1_mb_result_is_returned_whole_and_its_step_undone(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
     seen = tmp_path / "arrivals"
     with start_http_server("mcp_saga.examples.trivial", env={"SAGA_TRIVIAL_ARRIVALS": str(seen)}) as (_, url):
-        config = tmp_path / "saga.toml"
-        config.write_text(
-            f'[servers.trivial]\nurl = "{url}"\n\n'
-            "[coordinator]\nblock_ms = 100\n\n[worker]\nattempts = 2\nbackoff_base = 0\n"
-        )
+        config = saga_config(tmp_path / "saga.toml", trivial={"url": url})
         # The second workflow's overlay binds the 1 MB field itself, which no event can hold.
-        overlaid = tmp_path / "overlay.toml"
-        overlaid.write_text(
-            config.read_text() + '\n[servers.trivial.recovery.big]\nstrategy = "compensation"\n'
-            'compensatingOperation = { operationId = "noop_undo", parameters = { n = "$response.body#/data" } }\n'
-        )
+        unkeepable = {"big": compensation("noop_undo", n="$response.body#/data")}
+        overlaid = saga_config(tmp_path / "overlay.toml", trivial={"url": url, "recovery": unkeepable})
         got = {}
 
         def workflow(config_path: Path):

@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 import redis
 from mcp import Client, StdioServerParameters
-from mcp_saga.schemas.config import load_config
+from mcp_saga.runtime.recovery_wire import compensation
+from mcp_saga.schemas.config import load_config, parse_config, write_config
 from mcp_saga.schemas.keys import Keys
 from processes import saga_process, stop, wait_for
 
@@ -53,6 +54,12 @@ def npm_bin() -> Path:
             timeout=600,
         )
     return bin_dir
+
+
+def saga_config(path: Path, **servers: dict[str, Any]) -> Path:
+    """A config with quick settings, built and checked by the config model."""
+    data = {"servers": servers, "coordinator": {"block_ms": 100}, "worker": {"attempts": 2, "backoff_base": 0}}
+    return write_config(parse_config(data), path)
 
 
 def run_unwind(r: redis.Redis, redis_url: str, config: Path, tmp_path: Path, workflow: str, calls: Any) -> bytes:
@@ -82,26 +89,12 @@ def test_create_entities_is_undone_by_delete_entities_through_a_projection(
 ) -> None:
     memory = tmp_path / "memory.jsonl"
     server = StdioServerParameters(command=str(npm_bin / "mcp-server-memory"), env={"MEMORY_FILE_PATH": str(memory)})
-    config = tmp_path / "saga.toml"
-    config.write_text(
-        f"""
-[servers.memory]
-command = ["{npm_bin / "mcp-server-memory"}"]
-env = {{ MEMORY_FILE_PATH = "{memory}" }}
-
-[servers.memory.recovery.create_entities]
-strategy = "compensation"
-compensatingOperation.operationId = "delete_entities"
-compensatingOperation.parameters.entityNames = "$response.body#/entities/*/name"
-
-[coordinator]
-block_ms = 100
-
-[worker]
-attempts = 2
-backoff_base = 0
-"""
-    )
+    memory_server = {
+        "command": [str(npm_bin / "mcp-server-memory")],
+        "env": {"MEMORY_FILE_PATH": str(memory)},
+        "recovery": {"create_entities": compensation("delete_entities", entityNames="$response.body#/entities/*/name")},
+    }
+    config = saga_config(tmp_path / "saga.toml", memory=memory_server)
 
     def entity(name: str) -> dict[str, Any]:
         return {"name": name, "entityType": "person", "observations": []}
@@ -143,26 +136,9 @@ def test_move_file_is_undone_by_move_file_with_the_paths_swapped(
     files.mkdir()
     (files / "report.txt").write_text("quarterly figures\n")
     command = [str(npm_bin / "mcp-server-filesystem"), str(files)]
-    config = tmp_path / "saga.toml"
-    config.write_text(
-        f"""
-[servers.fs]
-command = {json.dumps(command)}
-
-# The server has no delete tool: moving the file back is the undo, and the operator says so.
-[servers.fs.recovery.move_file]
-strategy = "compensation"
-compensatingOperation.operationId = "move_file"
-compensatingOperation.parameters = {{ source = "$request.body#/destination", destination = "$request.body#/source" }}
-
-[coordinator]
-block_ms = 100
-
-[worker]
-attempts = 2
-backoff_base = 0
-"""
-    )
+    # The server has no delete tool: moving the file back is the undo, and the operator says so.
+    swap = compensation("move_file", source="$request.body#/destination", destination="$request.body#/source")
+    config = saga_config(tmp_path / "saga.toml", fs={"command": command, "recovery": {"move_file": swap}})
 
     async def calls(workflow: str) -> None:
         async with Client(StdioServerParameters(command=command[0], args=command[1:])) as client:
