@@ -91,3 +91,26 @@ def test_a_hung_server_does_not_hold_back_another_servers_compensation(
             assert "compensation deferred" in (tmp_path / "worker.log").read_text()
         finally:
             stop(worker, sig=9)
+
+
+def test_a_deferred_compensation_runs_once_a_slot_is_free_without_using_an_attempt(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    seen = tmp_path / "arrivals"
+    with start_http_servers(
+        ("mcp_saga.examples.trivial", "--delay", "1.5"), env={"SAGA_TRIVIAL_ARRIVALS": str(seen)}
+    ) as [(_, slow)]:
+        settings = {**FAST, "attempts": 2, "concurrency": 2, "per_server": 1}
+        config = write_config(tmp_path / "saga.toml", {"slow": {"url": slow}}, worker=settings)
+        for n in (1, 2):
+            plan(r, f"slow-{n}", "s", {"n": n}, server="slow", worker=settings, **NOOP)
+        worker = start_worker(redis_url, config, "w-defer", tmp_path / "worker.log")
+        try:
+            wait_for(lambda: all(reports(r, f"slow-{n}") for n in (1, 2)), 60, "both compensations")
+        finally:
+            stop(worker)
+    assert "compensation deferred" in (tmp_path / "worker.log").read_text()  # one waited for the other
+    for n in (1, 2):
+        [(kind, report)] = reports(r, f"slow-{n}")
+        assert kind == "compensation-succeeded" and (report.dispatch, report.attempt) == (1, 1)
+    assert sorted(arrivals(seen)) == [1, 2]  # each called once
