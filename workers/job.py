@@ -24,8 +24,9 @@ Per-server isolation (issue 11, item 10): a process lets at most `[worker] per_s
 wait on one server (`SessionPool.slot`). A job whose server is at that limit is not run in a slot
 that would only wait; it is *deferred*: continued as a new RQ job due a second later, with the
 same payload and the attempts it has left, and without counting an attempt (the server was not
-called). So a server that hangs holds at most `per_server` slots, each for at most its `timeout`,
-and the other slots keep serving the other servers' compensations.
+called); a job deferred again waits twice as long, up to DEFER_MAX_SECONDS. So a server that
+hangs holds at most `per_server` slots, each for at most its `timeout`, and the other slots keep
+serving the other servers' compensations.
 """
 
 from __future__ import annotations
@@ -72,8 +73,10 @@ MAX_RESULT_BYTES = 64 * 1024
 # The SDK reports an unknown tool and rejected arguments as ordinary `isError` results; these
 # are the texts it uses, and no retry can change them.
 _PERMANENT = re.compile(r"^(Unknown tool: |Error executing tool \S+: \d+ validation errors? for \S+Arguments)")
-# A deferred job comes back this much later (RQ's scheduler looks about once a second).
-DEFER_SECONDS = 1
+# A deferred job comes back 1, 2, 4, ... seconds later (RQ's scheduler looks about once a second),
+# at most this much: a server hung for its whole `timeout` costs each queued job a handful of
+# continuations, not one a second.
+DEFER_MAX_SECONDS = 30
 
 
 class RetryableFailure(Exception):
@@ -154,7 +157,7 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
     base = rq_job.meta.get("base_id", rq_job.id)
     deferrals = int(rq_job.meta.get("deferrals", 0)) + 1
     continuation = Queue(rq_job.origin, connection=ctx.redis).enqueue_in(
-        timedelta(seconds=DEFER_SECONDS),
+        timedelta(seconds=min(2 ** (deferrals - 1), DEFER_MAX_SECONDS)),
         rq_job.func_name,
         payload,
         job_id=f"{base}-w{deferrals}",
