@@ -41,6 +41,7 @@ def test_the_wheel_installs_one_import_root(installed: Path) -> None:
     for part in ("schemas", "runtime", "coordinator", "workers", "orchestrator", "cli", "examples"):
         assert (installed / "mcp_saga" / part / "__init__.py").is_file(), part
     assert list((installed / "mcp_saga" / "coordinator" / "lua").glob("*.lua")), "Lua scripts are package data"
+    assert {p.name for p in (installed / "mcp_saga" / "workers" / "lua").glob("*.lua")} == {"release.lua", "renew.lua"}
     assert list((installed / "mcp_saga" / "schemas" / "json").glob("*.json")), "JSON Schemas are package data"
 
 
