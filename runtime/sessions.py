@@ -32,6 +32,8 @@ from mcp_types import CONNECTION_CLOSED, INVALID_PARAMS, INVALID_REQUEST, METHOD
 log = get_logger("sessions")
 T = TypeVar("T")
 
+# Seconds a server's places may all be held before it counts as stuck rather than busy (`slot`).
+SLOT_PATIENCE = 2.0
 # A streamable HTTP response may be an SSE stream the server holds open while the tool runs.
 HTTP_READ_TIMEOUT = 300.0
 
@@ -216,7 +218,9 @@ class SessionPool:
         self.servers = dict(servers)
         self.tools_ttl = tools_ttl
         self.per_server = per_server
-        self._busy: dict[str, int] = {}
+        # When each caller holding a server's places took it (SessionPool.slot).
+        self._holders: dict[str, list[float]] = {}
+        self._slots = threading.Condition()
         self._owners: dict[str, _Owner] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -241,22 +245,33 @@ class SessionPool:
 
     @contextlib.contextmanager
     def slot(self, server: str) -> Iterator[bool]:
-        """Claim one of the `per_server` places a server may hold; yields False when none is free.
+        """Claim one of the `per_server` places a server may hold; yields False when none comes free.
 
         The pool's own calls never wait on each other (one task per call on one loop); what a hung
         server can exhaust is the callers' threads, so the caller that gets False should not call.
+        A server at its limit whose places were all taken less than SLOT_PATIENCE seconds ago is
+        busy, not stuck (fast calls, or a session still connecting at start-up): the caller waits
+        for a place, until the oldest holder has held it SLOT_PATIENCE seconds. After that the
+        server counts as stuck and the answer is an immediate False.
         """
-        with self._lock:
-            busy = self._busy.get(server, 0)
-            free = self.per_server is None or busy < self.per_server
+        since = time.monotonic()
+        with self._slots:
+            holders = self._holders.setdefault(server, [])
+            while self.per_server is not None and len(holders) >= self.per_server:
+                remaining = min(holders) + SLOT_PATIENCE - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._slots.wait(remaining)
+            free = self.per_server is None or len(holders) < self.per_server
             if free:
-                self._busy[server] = busy + 1
+                holders.append(since)
         try:
             yield free
         finally:
             if free:
-                with self._lock:
-                    self._busy[server] -= 1
+                with self._slots:
+                    holders.remove(since)
+                    self._slots.notify()
 
     def tools(self, server: str, *, refresh: bool = False) -> dict[str, ToolDeclaration]:
         """The server's live `tools/list`, recovery declarations included, cached `tools_ttl` seconds."""

@@ -98,7 +98,9 @@ def test_a_deferred_compensation_runs_once_a_slot_is_free_without_using_an_attem
 ) -> None:
     seen = tmp_path / "arrivals"
     with start_http_servers(
-        ("mcp_saga.examples.trivial", "--delay", "1.5"), env={"SAGA_TRIVIAL_ARRIVALS": str(seen)}
+        # A call longer than SLOT_PATIENCE: the second job finds its server stuck, not just busy.
+        ("mcp_saga.examples.trivial", "--delay", "3"),
+        env={"SAGA_TRIVIAL_ARRIVALS": str(seen)},
     ) as [(_, slow)]:
         settings = {**FAST, "attempts": 2, "concurrency": 2, "per_server": 1}
         config = write_config(tmp_path / "saga.toml", {"slow": {"url": slow}}, worker=settings)

@@ -236,3 +236,30 @@ def test_a_server_gets_at_most_per_server_slots_and_others_are_unaffected() -> N
             assert other
     with pool.slot("a") as again:
         assert again  # released on the way out, also for the one that got none
+
+
+def test_a_busy_server_is_waited_for_and_a_stuck_one_is_not() -> None:
+    pool = SessionPool({"a": ServerConfig(url="http://127.0.0.1:1/mcp")}, per_server=1)
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool.slot("a"):
+            taken.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(5)
+    threading.Timer(0.2, release.set).start()  # a holder that lets go well within SLOT_PATIENCE
+    with pool.slot("a") as free:
+        assert free  # waited for the place instead of giving up
+    holder.join()
+    taken.clear()
+    release.clear()
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(5)
+    with pool.slot("a") as free:  # held past SLOT_PATIENCE: stuck, so no place
+        assert not free
+    release.set()
+    holder.join()

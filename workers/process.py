@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.schemas.config import Config
@@ -100,8 +101,10 @@ def run_worker(
         if burst:  # slots stop on an empty queue; a retry they queued after the main worker left is still due
             for thread in threads:
                 thread.join()
-            while queue.count:
-                worker.work(burst=True, logging_level=logging_level)
+            while queue.count or queue.scheduled_job_registry.count:  # retries and deferred jobs
+                if not queue.count:
+                    time.sleep(0.2)  # not due yet: the scheduler of the next round enqueues it when it is
+                worker.work(burst=True, with_scheduler=True, logging_level=logging_level)
     finally:
         for slot in slots:  # each finishes the job in hand, as the main worker did
             slot._stop_requested = True
