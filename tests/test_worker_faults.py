@@ -9,6 +9,9 @@ slots of a worker, so another server's compensation is done while the hung calls
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,16 @@ from processes import start_http_servers, stop, wait_for
 from test_worker_job import FAST, K, plan, reports, start_worker, write_config
 
 NOOP = {"tool": "noop", "operation": "noop_undo"}
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes (Linux /proc): RQ forks its scheduler, which outlives a SIGKILLed worker."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def arrivals(path: Path) -> list[int]:
@@ -89,8 +102,12 @@ def test_a_hung_server_does_not_hold_back_another_servers_compensation(
             assert len([n for n in arrivals(seen) if n < 100]) == 3, arrivals(seen)
             assert not any(reports(r, f"hung-{n}") for n in range(6))
             assert "compensation deferred" in (tmp_path / "worker.log").read_text()
-        finally:
-            stop(worker, sig=9)
+        finally:  # SIGKILL: SIGTERM would wait for the hung calls; RQ's scheduler child goes too
+            orphans = children(worker.pid)
+            stop(worker, sig=signal.SIGKILL)
+            for pid in orphans:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_a_deferred_compensation_runs_once_a_slot_is_free_without_using_an_attempt(
