@@ -3,7 +3,8 @@
 Every figure is a ratio against a baseline measured in the same run on the same machine (absolute
 times drift on shared machines): ingest against the minimal Redis consume loop, latency and unwind
 against warm-session MCP calls, the worker against raw calls and RQ's own no-op jobs, the
-publisher against a bare `call_tool`. One private redis-server serves every part.
+publisher against a bare `call_tool`, the gateway against a direct call, ingest with a polled
+console against ingest without. One private redis-server serves every part.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 from mcp_saga.cli.redis_server import resolve_redis
 from rich.console import Console
 
-from bench import coordinator, latency, publisher, worker
+from bench import console as console_cost
+from bench import coordinator, gateway, latency, publisher, worker
 from bench.table import Row, print_table
 
 
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             ("latency and unwind", lambda: latency.measure(url, max(100, int(1000 * scale)), max(5, int(20 * scale)))),
             ("worker throughput", lambda: worker.rows(url, jobs=int(600 * scale), calls=int(1200 * scale))),
             ("publisher overhead", lambda: publisher.rows(url, rounds=max(5, int(20 * scale)))),
+            ("ingest with an open console", lambda: console_cost.measure(url, int(1000 * scale), 10, 3)),
+            ("gateway overhead", lambda: gateway.rows(url, rounds=max(5, int(20 * scale)))),
         ]
         for title, run in parts:
             with console.status(f"measuring {title} ..."):

@@ -199,8 +199,6 @@ def cmd_watch(ops: Ops) -> int:
 
 
 def cmd_stats(ops: Ops) -> int:
-    from rq import Queue
-
     keys = ops.keys
     counts = ops.reader.counts()
     pipe = ops.r.pipeline(transaction=False)
@@ -220,12 +218,7 @@ def cmd_stats(ops: Ops) -> int:
         ]
     except ResponseError:  # no stream yet: nothing was ever published
         groups = []
-    queue = Queue(keys.queue, connection=ops.r)
-    # Registry counts without cleanup: looking must not move jobs between registries.
-    depth = {"queued": queue.count} | {
-        name: getattr(queue, f"{name}_job_registry").get_job_count(cleanup=False)
-        for name in ("started", "scheduled", "deferred", "failed")
-    }
+    depth = ops.reader.queue_depth()
     stats = {
         "workflows": counts,
         "queue": {"name": keys.queue, **depth},

@@ -7,7 +7,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from mcp_saga.cli import act, check, demo, look
+from mcp_saga.cli import act, check, console, demo, gateway, look
 from mcp_saga.cli.args import CliError, config_of, redis_url
 from mcp_saga.runtime.logs import configure
 from mcp_saga.schemas.config import ConfigError
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.set_defaults(run=cmd_worker)
 
-    for module in (look, act, check, demo):
+    for module in (look, act, check, gateway, console, demo):
         module.register(sub, common)
     return parser
 

@@ -53,7 +53,7 @@ def plan_step(
     elif problem is not None:
         return Plan(_mark(base, "unrecoverable", problem, "server"), tuple(notes))
     else:
-        return Plan(_mark(base, "skipped", "the tool declares no recovery", None), tuple(notes))
+        return Plan(_mark(base, "skipped", "no recovery in the event, and no overlay for the tool", None), tuple(notes))
 
     reason = recovery.unsupported_reason()
     if reason is not None:

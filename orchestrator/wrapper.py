@@ -22,17 +22,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, get_args
 
 import redis.asyncio as aioredis
-from mcp_saga.runtime.publish import (
-    AsyncPublisher,
-    OnFailure,
-    checked_entry,
-    clip,
-    fit_step,
-    step_completed,
-    workflow_failed,
-)
+from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, clip, step_entry, workflow_failed
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
-from mcp_saga.schemas.events import FailedStep, WorkflowCompleted, check_step_id, check_workflow_id
+from mcp_saga.schemas.events import (
+    FailedStep,
+    WorkflowCompleted,
+    check_step_id,
+    check_workflow_id,
+)
 from mcp_saga.schemas.results import result_text as _text_of
 from redis import Redis as SyncRedis
 from redis.asyncio.retry import Retry
@@ -283,11 +280,8 @@ class Workflow:
             annotations = {k: v for k, v in declaration.annotations.items() if k != "recovery"} or None
         recovery = self._overlay(server, tool) or recovery
         wire = result.model_dump(by_alias=True, mode="json", exclude_none=True)
-        payload, cut = fit_step(step_completed(step, server, tool, arguments, wire, recovery, annotations))
-        if cut is not None:  # the agent keeps the whole result; the event keeps what undoing needs
-            log.warning("workflow %r: %s", self.id, cut)
-        fields = checked_entry(self.id, payload)
-        self._write(step, fields)
+        # The agent keeps the whole result; over the cap, the event keeps what undoing needs (fit_step).
+        self._write(step, step_entry(self.id, step, server, tool, arguments, wire, recovery, annotations))
 
     def _write(self, step: str, fields: dict[bytes, bytes]) -> None:
         """XADD in a task chained after the previous one: stream order is completion order, and the

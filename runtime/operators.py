@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from mcp_saga.runtime.reader import Reader
+from mcp_saga.runtime.reader import Reader, text_of
 from mcp_saga.schemas.events import (
     BY_MAX,
     TEXT_MAX,
@@ -74,6 +74,8 @@ def prepare(reader: Reader, workflow: str, command: str, step: str | None, by: s
     check_ids(workflow, step)
     if step is None and command != "retry":
         raise CommandRefused(f"{command} needs a step")
+    if command == "resolve" and not note.strip():
+        raise CommandRefused("resolve needs a note: what was done by hand, for the timeline")
     loaded = reader.records(workflow)
     if loaded is None:
         raise CommandRefused(f"no workflow {workflow!r} (never seen by a coordinator, or expired)")
@@ -158,11 +160,7 @@ def _taken(redis: Redis, keys: Keys, sent: str) -> bool:
         groups = redis.xinfo_groups(keys.events)
     except ResponseError:
         return False
-    group = next((g for g in groups if _text(g["name"]) == keys.group), None)
+    group = next((g for g in groups if text_of(g["name"]) == keys.group), None)
     if group is None or stream_id(group["last-delivered-id"]) < stream_id(sent):
         return False
     return not redis.xpending_range(keys.events, keys.group, min=sent, max=sent, count=1)
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -204,6 +204,25 @@ def checked_entry(workflow: str, payload: Payload) -> dict[bytes, bytes]:
     return fields
 
 
+def step_entry(
+    workflow: str,
+    step: str,
+    server: str,
+    tool: str,
+    arguments: Mapping[str, Any] | None,
+    result: dict[str, Any],
+    recovery: Mapping[str, Any] | None = None,
+    annotations: Mapping[str, Any] | None = None,
+) -> dict[bytes, bytes]:
+    """The checked entry of a step-completed; one over the size cap is cut down by `fit_step` to
+    what its recovery binds, with a marker, and the cut is logged (the caller keeps its result)."""
+    payload = step_completed(step, server, tool, arguments, result, recovery, annotations)
+    payload, cut = fit_step(payload)
+    if cut is not None:
+        log.warning("workflow %r: %s", workflow, cut)
+    return checked_entry(workflow, payload)
+
+
 def _encode(payload: Payload) -> bytes:
     try:
         return encode_payload(payload)

@@ -8,12 +8,14 @@ looks like on the way out of Redis is decided once.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import msgspec
 from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, STATUSES, Keys
 from mcp_saga.schemas.records import Compensation, WorkflowState, comp_decoder, state_from_hash
 from redis import Redis
+from redis.exceptions import ResponseError
 
 
 class WorkflowSnapshot(msgspec.Struct, frozen=True):
@@ -29,6 +31,39 @@ class WorkflowSnapshot(msgspec.Struct, frozen=True):
     timeline: list[dict[str, str]]
     # Seconds until the keys expire; None when they do not.
     expires_in: int | None
+
+
+class Consumer(msgspec.Struct, frozen=True):
+    """A coordinator, as its consumer group sees it."""
+
+    name: str
+    pending: int
+    idle_ms: int
+
+
+class RqWorker(msgspec.Struct, frozen=True):
+    name: str
+    state: str
+    current_job: str | None
+    last_heartbeat: float | None
+    successful: int
+    failed: int
+
+
+class Fleet(msgspec.Struct, frozen=True):
+    """The service as a whole: who consumes events, who performs compensations, what is waiting."""
+
+    events: int
+    outcomes: int
+    dead_letters: int
+    # None when no coordinator ever created the group.
+    lag: int | None
+    pending: int
+    last_delivered: str | None
+    coordinators: list[Consumer]
+    workers: list[RqWorker]
+    # queued, started, scheduled, deferred, failed
+    queue: dict[str, int]
 
 
 class DeadLetter(msgspec.Struct, frozen=True):
@@ -115,17 +150,98 @@ class Reader:
             pipe.zcard(self.keys.index(status))
         return dict(zip(STATUSES, pipe.execute(), strict=True))
 
-    def recent(self, status: str | None = None, limit: int = 50) -> list[tuple[str, WorkflowState]]:
-        """The newest workflows (in one status, or any), newest first; expired ones are left out."""
+    def recent(self, status: str | None = None, limit: int = 50, offset: int = 0) -> list[tuple[str, WorkflowState]]:
+        """The newest workflows (in one status, or any), newest first, from `offset`; expired ones are left out.
+
+        Across statuses each index is read up to `offset + limit`, so a deep page costs its depth.
+        """
         statuses = [status] if status else list(STATUSES)
         pipe = self.redis.pipeline(transaction=False)
         for s in statuses:
-            pipe.zrevrange(self.keys.index(s), 0, limit - 1, withscores=True)
+            pipe.zrevrange(self.keys.index(s), 0, offset + limit - 1, withscores=True)
         newest = sorted(((score, wf.decode()) for page in pipe.execute() for wf, score in page), reverse=True)
-        names = list(dict.fromkeys(wf for _, wf in newest))[:limit]
+        return self._states(list(dict.fromkeys(wf for _, wf in newest))[offset : offset + limit])
+
+    def search(self, prefix: str, limit: int = 50) -> list[tuple[str, WorkflowState]]:
+        """Workflows whose id starts with `prefix`, by ZSCAN over the status indexes (no KEYS, no full read)."""
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"
+        found: dict[str, None] = {}
+        for status in STATUSES:
+            for member, _ in self.redis.zscan_iter(self.keys.index(status), match=pattern, count=500):
+                found[member.decode()] = None
+                if len(found) >= limit:
+                    break
+            if len(found) >= limit:
+                break
+        return sorted(self._states(list(found)), key=lambda ws: ws[1].updated_at, reverse=True)
+
+    def _states(self, names: list[str]) -> list[tuple[str, WorkflowState]]:
+        pipe = self.redis.pipeline(transaction=False)
         for workflow in names:
             pipe.hgetall(self.keys.state(workflow))
         return [(wf, state_from_hash(raw)) for wf, raw in zip(names, pipe.execute(), strict=True) if raw]
+
+    def mark(self, workflow: str) -> str:
+        """A cheap token that changes whenever the workflow does (state version and newest timeline id).
+
+        What a live view polls before it reads the whole workflow again.
+        """
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.state(workflow), "version")
+        pipe.xrevrange(self.keys.log(workflow), count=1)
+        version, newest = pipe.execute()
+        return f"{(version or b'-').decode()}.{newest[0][0].decode() if newest else '-'}"
+
+    def queue_depth(self) -> dict[str, int]:
+        """Jobs in the RQ queue and its registries, counted without cleanup: looking must not move jobs."""
+        from rq import Queue
+
+        queue = Queue(self.keys.queue, connection=self.redis)
+        return {"queued": queue.count} | {
+            name: getattr(queue, f"{name}_job_registry").get_job_count(cleanup=False)
+            for name in ("started", "scheduled", "deferred", "failed")
+        }
+
+    def fleet(self) -> Fleet:
+        from rq import Queue, Worker
+
+        keys = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in (keys.events, keys.outcomes, keys.dead_letter):
+            pipe.xlen(stream)
+        events, outcomes, dead = pipe.execute()
+        try:
+            group = next((g for g in self.redis.xinfo_groups(keys.events) if text_of(g["name"]) == keys.group), None)
+        except ResponseError:  # no stream yet: nothing was ever published
+            group = None
+        consumers = []
+        if group is not None:
+            consumers = [
+                Consumer(text_of(c["name"]), c["pending"], c["idle"])
+                for c in self.redis.xinfo_consumers(keys.events, keys.group)
+            ]
+        workers = [
+            RqWorker(
+                name=w.name,
+                state=str(w.get_state()),
+                current_job=w.get_current_job_id(),
+                last_heartbeat=w.last_heartbeat.timestamp() if w.last_heartbeat else None,
+                successful=w.successful_job_count,
+                failed=w.failed_job_count,
+            )
+            for w in Worker.all(queue=Queue(keys.queue, connection=self.redis))
+        ]
+        return Fleet(
+            events=events,
+            outcomes=outcomes,
+            dead_letters=dead,
+            lag=group.get("lag") if group else None,
+            pending=group["pending"] if group else 0,
+            last_delivered=text_of(group["last-delivered-id"]) if group else None,
+            coordinators=consumers,
+            workers=workers,
+            queue=self.queue_depth(),
+        )
 
     def dead_letters(self, limit: int = 50) -> list[DeadLetter]:
         """Newest first."""
@@ -142,3 +258,8 @@ class Reader:
                 )
             )
         return letters
+
+
+def text_of(value: str | bytes) -> str:
+    """A name redis-py returns as bytes or str (depending on the reply), as text."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -23,11 +24,12 @@ from typing import Any, TypeVar
 import anyio
 import httpx2
 from mcp import Client, MCPError, StdioServerParameters
+from mcp.client.session import MessageHandlerFnT
 from mcp.client.streamable_http import streamable_http_client
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
 from mcp_saga.schemas.config import ServerConfig
-from mcp_types import CONNECTION_CLOSED, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND
+from mcp_types import CONNECTION_CLOSED, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, Implementation
 
 log = get_logger("sessions")
 T = TypeVar("T")
@@ -36,6 +38,19 @@ T = TypeVar("T")
 SLOT_PATIENCE = 2.0
 # A streamable HTTP response may be an SSE stream the server holds open while the tool runs.
 HTTP_READ_TIMEOUT = 300.0
+
+# How mcp-saga introduces itself in `clientInfo`, so that a server's logs tell a compensation
+# (`mcp-saga-worker`) and a call recorded by the gateway (`mcp-saga-gateway`) from other clients.
+WORKER_CLIENT = "mcp-saga-worker"
+GATEWAY_CLIENT = "mcp-saga-gateway"
+
+
+def client_info(name: str) -> Implementation:
+    try:
+        version = importlib.metadata.version("mcp-saga")
+    except importlib.metadata.PackageNotFoundError:
+        version = "0"
+    return Implementation(name=name, version=version)
 
 
 class SessionError(Exception):
@@ -90,8 +105,20 @@ class _Request:
 class _Owner:
     """The one task that opens, uses and closes a server's session, reconnecting after failures."""
 
-    def __init__(self, name: str, config: ServerConfig, *, backoff: tuple[float, float] = (0.1, 2.0)):
+    def __init__(
+        self,
+        name: str,
+        config: ServerConfig,
+        *,
+        backoff: tuple[float, float] = (0.1, 2.0),
+        client_name: str = WORKER_CLIENT,
+        message_handler: MessageHandlerFnT | None = None,
+        mode: str = "auto",
+    ):
         self.name, self.config = name, config
+        self.mode = mode
+        self.info = client_info(client_name)
+        self.message_handler = message_handler
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
         self.backoff = backoff
@@ -169,12 +196,15 @@ class _Owner:
 
     def client(self) -> Client:
         if self.config.url is not None:
-            return Client(_http_transport(self.config.url, self.config.headers(), self.config.timeout), cache=None)
+            transport = _http_transport(self.config.url, self.config.headers(), self.config.timeout)
+            return Client(
+                transport, cache=None, client_info=self.info, message_handler=self.message_handler, mode=self.mode
+            )
         command = self.config.command or []
         params = StdioServerParameters(
             command=command[0], args=command[1:], env=self.config.env or None, cwd=self.config.cwd
         )
-        return Client(params, cache=None)
+        return Client(params, cache=None, client_info=self.info, message_handler=self.message_handler, mode=self.mode)
 
     def target(self) -> str:
         target = self.config.url or " ".join(self.config.command or [])
@@ -206,6 +236,86 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+class AsyncSessions:
+    """One warm session per configured server for code already on an event loop (the gateway).
+
+    The same owner tasks as `SessionPool`, without the thread: call from the loop the sessions
+    live on, and close from it.
+    """
+
+    def __init__(
+        self,
+        servers: dict[str, ServerConfig],
+        *,
+        tools_ttl: float = 30.0,
+        client_name: str = WORKER_CLIENT,
+        message_handler: Callable[[str], MessageHandlerFnT] | None = None,
+        mode: str = "auto",
+    ):
+        self.servers = dict(servers)
+        self.tools_ttl = tools_ttl
+        self.client_name = client_name
+        self.message_handler = message_handler
+        self.mode = mode
+        self._owners: dict[str, _Owner] = {}
+        self._lock = threading.Lock()
+
+    def config(self, server: str) -> ServerConfig:
+        config = self.servers.get(server)
+        if config is None:
+            raise UnknownServer(f"server {server!r} is not in the registry of this worker or gateway")
+        return config
+
+    def owner(self, server: str) -> _Owner:
+        config = self.config(server)
+        with self._lock:
+            owner = self._owners.get(server)
+            if owner is None:
+                handler = self.message_handler(server) if self.message_handler else None
+                owner = _Owner(server, config, client_name=self.client_name, message_handler=handler, mode=self.mode)
+                self._owners[server] = owner
+            return owner
+
+    async def request(self, server: str, run: Callable[[Client], Awaitable[T]], timeout: float | None = None) -> T:
+        """Run `run(client)` on the server's warm session; a `SessionError` when no result came back."""
+        owner = self.owner(server)
+        timeout = timeout or owner.config.timeout
+        request = _Request(run, asyncio.get_running_loop().create_future())
+        owner.submit(request)
+        try:
+            return await asyncio.wait_for(request.future, timeout)
+        except TimeoutError:
+            raise CallTimeout(f"{owner.name}: no answer within {timeout:g} s") from None
+
+    async def tools(self, server: str, refresh: bool = False) -> dict[str, ToolDeclaration]:
+        """The server's live `tools/list`, recovery declarations included, cached `tools_ttl` seconds."""
+        owner = self.owner(server)
+        if owner.tools and not refresh and time.monotonic() < owner.tools[0]:
+            return owner.tools[1]
+        declarations = await self.request(server, read_tool_declarations, owner.config.timeout)
+        owner.tools = (time.monotonic() + self.tools_ttl, declarations)
+        return declarations
+
+    def forget_tools(self, server: str) -> None:
+        """Drop a cached listing, e.g. after the server announced `tools/list_changed`."""
+        owner = self._owners.get(server)
+        if owner is not None:
+            owner.tools = None
+
+    def connects(self, server: str) -> int:
+        owner = self._owners.get(server)
+        return owner.connects if owner else 0
+
+    async def aclose(self) -> None:
+        """Close every session from its owning task."""
+        tasks = []
+        for owner in self._owners.values():
+            if owner.task is not None and not owner.task.done():
+                owner.queue.put_nowait(_CLOSE)
+                tasks.append(owner.task)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class SessionPool:
     """One warm session per configured server, usable from any thread.
 
@@ -221,7 +331,7 @@ class SessionPool:
         # When each caller holding a server's places took it (SessionPool.slot).
         self._holders: dict[str, list[float]] = {}
         self._slots = threading.Condition()
-        self._owners: dict[str, _Owner] = {}
+        self._sessions = AsyncSessions(servers, tools_ttl=tools_ttl)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -275,15 +385,14 @@ class SessionPool:
 
     def tools(self, server: str, *, refresh: bool = False) -> dict[str, ToolDeclaration]:
         """The server's live `tools/list`, recovery declarations included, cached `tools_ttl` seconds."""
-        cached = None if refresh else self._owner(server).tools
+        cached = None if refresh else self._sessions.owner(server).tools
         if cached and time.monotonic() < cached[0]:  # no trip through the loop for a fresh listing
             return cached[1]
-        return self._run(self._tools(server, refresh), self._config(server).timeout)
+        return self._run(self._sessions.tools(server, refresh), self._sessions.config(server).timeout)
 
     def connects(self, server: str) -> int:
         """How many times the server was connected (for tests and the benchmark)."""
-        owner = self._owners.get(server)
-        return owner.connects if owner else 0
+        return self._sessions.connects(server)
 
     def close(self, timeout: float = 10.0) -> None:
         """Close every session from its owning task, then stop the loop thread."""
@@ -295,7 +404,7 @@ class SessionPool:
         if loop is None or thread is None:
             return
         try:
-            asyncio.run_coroutine_threadsafe(self._close_all(), loop).result(timeout)
+            asyncio.run_coroutine_threadsafe(self._sessions.aclose(), loop).result(timeout)
         except Exception as exc:
             log.error("closing mcp sessions failed", error=_describe(exc), exc_info=True)
         loop.call_soon_threadsafe(loop.stop)
@@ -307,45 +416,11 @@ class SessionPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # Loop side.
-
-    async def _tools(self, server: str, refresh: bool) -> dict[str, ToolDeclaration]:
-        owner = self._owner(server)
-        if owner.tools and not refresh and time.monotonic() < owner.tools[0]:
-            return owner.tools[1]
-        declarations = await self._request(owner, read_tool_declarations, owner.config.timeout)
-        owner.tools = (time.monotonic() + self.tools_ttl, declarations)
-        return declarations
-
-    async def _request(self, owner: _Owner, run: Callable[[Client], Awaitable[T]], timeout: float) -> T:
-        request = _Request(run, asyncio.get_running_loop().create_future())
-        owner.submit(request)
-        try:
-            return await asyncio.wait_for(request.future, timeout)
-        except TimeoutError:
-            raise CallTimeout(f"{owner.name}: no answer within {timeout:g} s") from None
-
-    async def _close_all(self) -> None:
-        tasks = []
-        for owner in self._owners.values():
-            if owner.task is not None and not owner.task.done():
-                owner.queue.put_nowait(_CLOSE)
-                tasks.append(owner.task)
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _owner(self, server: str) -> _Owner:
-        config = self._config(server)
-        with self._lock:
-            owner = self._owners.get(server)
-            if owner is None:
-                owner = self._owners[server] = _Owner(server, config)
-            return owner
-
     # Thread side.
 
     def _submit(self, server: str, run: Callable[[Client], Awaitable[T]], timeout: float | None) -> T:
-        timeout = timeout or self._config(server).timeout
-        return self._run(self._request(self._owner(server), run, timeout), timeout)
+        timeout = timeout or self._sessions.config(server).timeout
+        return self._run(self._sessions.request(server, run, timeout), timeout)
 
     def _run(self, coro: Awaitable[T], timeout: float) -> T:
         try:
@@ -361,12 +436,6 @@ class SessionPool:
             raise CallTimeout(f"event loop did not answer within {timeout:g}s") from None
         finally:
             future.cancel()  # an RQ job timeout interrupts us here: do not leave the call running
-
-    def _config(self, server: str) -> ServerConfig:
-        config = self.servers.get(server)
-        if config is None:
-            raise UnknownServer(f"server {server!r} is not in this worker's registry")
-        return config
 
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:

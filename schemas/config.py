@@ -139,12 +139,59 @@ class WorkerSettings(_Strict):
         return min(self.per_server or max(1, self.concurrency - 1), self.concurrency)
 
 
+class ConsoleSettings(_Strict):
+    """`saga console`: where it listens and how much it reads per page.
+
+    Credentials are never in the file: SAGA_CONSOLE_TOKEN (bearer) and SAGA_CONSOLE_USERS (basic).
+    """
+
+    # Loopback unless the operator decides otherwise (behind a TLS proxy, say).
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8780, ge=1, le=65535)
+    # Let anyone who reaches the port look; acting always needs credentials.
+    read_open: bool = False
+    page_size: int = Field(default=50, ge=1, le=1000)
+    # The newest N timeline entries a workflow page shows and draws.
+    timeline_last: int = Field(default=500, ge=10, le=10_000)
+    poll_seconds: float = Field(default=1.0, ge=0.2, le=60)
+    # Seconds an action waits for the coordinator to apply it before the page says "pending".
+    action_wait: float = Field(default=3.0, ge=0, le=30)
+SessionPolicy = Literal["leave", "complete", "fail"]
+
+
+class GatewaySettings(_Strict):
+    """`saga gateway`: where it listens, how clients authenticate, what ends a workflow nobody ended."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8100, ge=0, le=65_535)
+    # Name of the environment variable holding the bearer token (the token itself never sits in a file).
+    # The HTTP side refuses to start without it unless `allow_anonymous` says so (loopback only).
+    token_env: str = Field(default="SAGA_GATEWAY_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+    allow_anonymous: bool = False
+    # `saga_fail` / `saga_complete` tools offered to the agent next to the server's own.
+    tools: bool = False
+    # What to publish for a workflow whose session ends, or that goes idle, with no signal.
+    on_session_end: SessionPolicy = "leave"
+    on_idle: SessionPolicy = "leave"
+    idle_timeout: float = Field(default=3600.0, gt=0, description="seconds without a call before on_idle applies")
+    # A step whose XADD fails is retried this long before its workflow refuses further calls.
+    publish_retry_for: float = Field(default=10.0, ge=0)
+
+    @model_validator(mode="after")
+    def _anonymous_on_loopback(self) -> GatewaySettings:
+        if self.allow_anonymous and self.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError("allow_anonymous is only allowed with a loopback host")
+        return self
+
+
 class Config(_Strict):
     prefix: str = Field(default="saga", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
     servers: dict[str, ServerConfig] = Field(default_factory=dict)
     policy: Policy = Field(default_factory=Policy)
     coordinator: CoordinatorSettings = Field(default_factory=CoordinatorSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    console: ConsoleSettings = Field(default_factory=ConsoleSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
     @field_validator("servers")
     @classmethod

@@ -31,6 +31,12 @@ STEP_ID = r"^[A-Za-z0-9._:-]{1,64}$"
 _WORKFLOW_RE = re.compile(WORKFLOW_ID)
 _STEP_RE = re.compile(STEP_ID)
 
+# Where an MCP client names the workflow a tool call belongs to (the gateway reads both): the request
+# `_meta` key (reverse-DNS and ours, like every `_meta` key mcp-saga defines), else this HTTP header.
+WORKFLOW_META_KEY = "io.github.mcp-saga/workflow"
+WORKFLOW_HEADER = "Saga-Workflow"
+# What the gateway adds to each recorded call's result `_meta`: the workflow and step it was recorded under.
+STEP_META_KEY = "io.github.mcp-saga/step"
 
 
 def check_workflow_id(workflow: object) -> str:

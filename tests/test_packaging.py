@@ -38,11 +38,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_the_wheel_installs_one_import_root(installed: Path) -> None:
     roots = {p.name for p in installed.iterdir() if not p.name.endswith(".dist-info")}
     assert roots == {"mcp_saga"}
-    for part in ("schemas", "runtime", "coordinator", "workers", "orchestrator", "cli", "examples"):
+    parts = ("schemas", "runtime", "coordinator", "workers", "orchestrator", "cli", "examples", "gateway", "console")
+    for part in parts:
         assert (installed / "mcp_saga" / part / "__init__.py").is_file(), part
     assert list((installed / "mcp_saga" / "coordinator" / "lua").glob("*.lua")), "Lua scripts are package data"
     assert {p.name for p in (installed / "mcp_saga" / "workers" / "lua").glob("*.lua")} == {"release.lua", "renew.lua"}
     assert list((installed / "mcp_saga" / "schemas" / "json").glob("*.json")), "JSON Schemas are package data"
+    console = installed / "mcp_saga" / "console"
+    assert (console / "templates" / "workflow.html").is_file() and (console / "static" / "console.js").is_file()
 
 
 def test_sdk_imports_in_a_project_with_its_own_schemas_workers_and_saga(installed: Path, tmp_path: Path) -> None:

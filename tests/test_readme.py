@@ -58,4 +58,31 @@ def test_configuration_reference_is_a_valid_config() -> None:
     defaults = parse_config({})
     # The reference shows the defaults: keep the two in step.
     assert config.coordinator == defaults.coordinator
+    assert config.console == defaults.console
     assert config.worker == defaults.worker
+
+
+def test_gateway_snippets_are_the_code_the_tests_run() -> None:
+    """Each "Use it from any agent" snippet is lines of the client the gateway tests run, in order."""
+    text = README.read_text()
+    snippets = re.findall(r"<!-- gateway-snippet (\S+) -->\n```\w+\n(.*?)```", text, re.S)
+    assert {path for path, _ in snippets} == {
+        "tests/gateway_clients.py",
+        "tests/gateway_langgraph.py",
+        "tests/gateway_client.mjs",
+    }
+    for path, snippet in snippets:
+        source = iter(line.strip() for line in (README.parent / path).read_text().splitlines())
+        for line in filter(None, (line.strip() for line in snippet.splitlines())):
+            assert any(line == candidate for candidate in source), f"{path} has no line {line!r} (in this order)"
+
+
+def test_gateway_reference_shows_the_defaults() -> None:
+    import tomllib
+
+    from mcp_saga.schemas.config import parse_config
+
+    section = README.read_text().split("## Configuration", 1)[1]
+    block = re.search(r"```toml\n(.*?)```", section, re.S)
+    assert block
+    assert parse_config(tomllib.loads(block.group(1)), source="README").gateway == parse_config({}).gateway

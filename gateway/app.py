@@ -1,0 +1,179 @@
+"""Serving the gateway: streamable HTTP at `/mcp/<server>` behind a bearer token, or stdio for one server.
+
+The token comes from the environment variable the config names, never from a file or the command
+line (both end up in logs and process lists), and is compared in constant time. Without one the
+HTTP side does not start, unless the config allows anonymous access on a loopback address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+from mcp.server.stdio import stdio_server
+from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp_saga.gateway.proxy import Gateway
+from mcp_saga.gateway.recorder import Recorder
+from mcp_saga.runtime.logs import get_logger
+from mcp_saga.schemas.config import Config, ConfigError
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = get_logger("gateway")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def gateway_token(config: Config) -> str | None:
+    """The bearer token from the environment; ConfigError when it is required and missing."""
+    settings = config.gateway
+    token = os.environ.get(settings.token_env) or None
+    if token is None and not settings.allow_anonymous:
+        raise ConfigError(
+            f"the gateway needs a bearer token: set the environment variable {settings.token_env} "
+            "(or `[gateway] allow_anonymous = true` on a loopback host)"
+        )
+    return token
+
+
+class BearerAuth:
+    """Refuse every request without `Authorization: Bearer <token>` (401), before the MCP layer sees it."""
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.expected is not None:
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = json.dumps({"error": "unauthorized: send Authorization: Bearer <token>"}).encode()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"www-authenticate", b'Bearer realm="mcp-saga-gateway"'),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def connect_redis(url: str) -> aioredis.Redis:
+    # Retries as in the SDK: a Redis restart of a few milliseconds must not lose a step.
+    return aioredis.Redis.from_url(url, retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 3))
+
+
+@contextlib.asynccontextmanager
+async def running(gateway: Gateway) -> AsyncIterator[None]:
+    """The gateway's background work: the Redis health probe and the idle policy."""
+    tasks = [asyncio.create_task(gateway.recorder.watch_health()), asyncio.create_task(_idle_sweeper(gateway))]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for workflow in list(gateway.recorder.workflows):
+            await gateway.recorder.flush(workflow)
+        await gateway.sessions.aclose()
+        await gateway.recorder.publisher.redis.aclose()
+
+
+async def _idle_sweeper(gateway: Gateway) -> None:
+    settings = gateway.settings
+    every = min(30.0, settings.idle_timeout / 4)
+    while True:
+        await asyncio.sleep(every)
+        for workflow in gateway.recorder.idle(settings.idle_timeout):
+            await gateway.recorder.apply_policy(workflow, settings.on_idle, "idle")
+            gateway.recorder.forget(workflow)
+
+
+def http_app(config: Config, redis_url: str, token: str | None) -> tuple[Starlette | BearerAuth, Gateway]:
+    """The ASGI app serving `/mcp/<server>` for every registry server, and the gateway behind it."""
+    settings = config.gateway
+    recorder = Recorder(connect_redis(redis_url), config.prefix, retry_for=settings.publish_retry_for)
+    gateway = Gateway(config, recorder)
+    security = None
+    if settings.host in LOOPBACK:
+        security = TransportSecuritySettings(
+            enable_dns_rebinding_protection=True,
+            allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
+            allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"],
+        )
+    managers = {
+        name: StreamableHTTPSessionManager(
+            app=server, security_settings=security, session_idle_timeout=settings.idle_timeout
+        )
+        for name, server in gateway.endpoints.items()
+    }
+    routes = [Route(f"/mcp/{name}", endpoint=StreamableHTTPASGIApp(manager)) for name, manager in managers.items()]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(running(gateway))
+            for manager in managers.values():
+                await stack.enter_async_context(manager.run())
+            log.info("gateway serving", servers=",".join(managers), host=settings.host, port=settings.port)
+            yield
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    return BearerAuth(app, token), gateway
+
+
+def serve_http(config: Config, redis_url: str, *, host: str | None = None, port: int | None = None) -> int:
+    import uvicorn
+
+    if not config.servers:
+        raise ConfigError("the gateway needs a config naming the MCP servers it fronts ([servers.NAME])")
+    token = gateway_token(config)
+    app, _ = http_app(config, redis_url, token)
+    settings = config.gateway
+    uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host or settings.host,
+            port=port if port is not None else settings.port,
+            log_level="warning",
+            lifespan="on",
+        )
+    ).run()
+    return 0
+
+
+def serve_stdio(config: Config, redis_url: str, server: str) -> int:
+    """One registry server over stdio, for hosts that spawn their MCP servers; the process is the session."""
+    if server not in config.servers:
+        raise ConfigError(f"server {server!r} is not in the config's [servers] (known: {', '.join(config.servers)})")
+    only = config.model_copy(update={"servers": {server: config.servers[server]}})
+    recorder = Recorder(connect_redis(redis_url), config.prefix, retry_for=config.gateway.publish_retry_for)
+    gateway = Gateway(only, recorder, stdio=True)
+    endpoint = gateway.endpoints[server]
+
+    async def main() -> None:
+        async with running(gateway), stdio_server() as (read, write):
+            try:
+                await endpoint.run(read, write, endpoint.create_initialization_options())
+            finally:
+                workflow = gateway.stdio_workflow
+                assert workflow is not None
+                await recorder.apply_policy(workflow, config.gateway.on_session_end, "session ended")
+
+    anyio.run(main)
+    return 0

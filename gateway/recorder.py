@@ -1,0 +1,161 @@
+"""What the gateway writes to `saga:events`, in order, and what it does when it cannot.
+
+Each workflow's events go out one after another (a chain of tasks), so the stream holds its steps
+in completion order while the agent's next call already runs. An XADD that fails is retried with
+backoff for `publish_retry_for` seconds; a step still unwritten then poisons its workflow: every
+later call of it is refused, because forwarding calls whose trail is broken would let the agent
+pile up effects nobody can undo. While Redis does not answer at all, new calls of every workflow
+are refused before they are forwarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.publish import AsyncPublisher, workflow_failed
+from mcp_saga.schemas.events import WorkflowCompleted
+
+log = get_logger("gateway")
+
+# A health probe shorter than the agent's patience: a refused call comes back in about this long.
+PING_TIMEOUT = 1.0
+
+
+class NotRecordable(Exception):
+    """A call the gateway will not forward, because it could not record it; the message says why."""
+
+
+@dataclass
+class _Workflow:
+    steps: int = 0
+    ended: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    tail: asyncio.Task[None] | None = None
+    lost: str | None = None  # the step that could not be written, and why
+
+
+class Recorder:
+    """The gateway's one writer: per-workflow order, retries, and the refusal rule."""
+
+    def __init__(self, redis: aioredis.Redis, prefix: str = "saga", *, retry_for: float = 10.0) -> None:
+        self.publisher = AsyncPublisher(redis, prefix)
+        self.retry_for = retry_for
+        self.workflows: dict[str, _Workflow] = {}
+        self._healthy = True
+
+    def _state(self, workflow: str) -> _Workflow:
+        state = self.workflows.get(workflow)
+        if state is None:
+            state = self.workflows[workflow] = _Workflow()
+        return state
+
+    async def admit(self, workflow: str) -> None:
+        """Raise `NotRecordable` for a call that must not be forwarded; otherwise note the workflow as active."""
+        state = self._state(workflow)
+        state.last_seen = time.monotonic()
+        if state.lost is not None:
+            raise NotRecordable(
+                f"workflow {workflow!r} has a step the gateway could not record ({state.lost}); "
+                "refusing further calls of it: signal the failure, and check it with `saga inspect`"
+            )
+        if not self._healthy and not await self.ping():
+            raise NotRecordable(
+                "Redis is unreachable, so the gateway could not record this call; it was not forwarded (retry later)"
+            )
+
+    async def ping(self) -> bool:
+        try:
+            await asyncio.wait_for(self.publisher.redis.ping(), PING_TIMEOUT)
+        except Exception:
+            self._healthy = False
+            return False
+        self._healthy = True
+        return True
+
+    def step(self, workflow: str, step: str, fields: dict[bytes, bytes]) -> None:
+        """Queue a checked step-completed entry behind the workflow's earlier events."""
+        state = self._state(workflow)
+        state.steps += 1
+        state.tail = asyncio.create_task(self._write(workflow, step, fields, state.tail))
+
+    async def _write(self, workflow: str, step: str, fields: dict[bytes, bytes], previous: Any) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
+        deadline, delay = time.monotonic() + self.retry_for, 0.05
+        while True:
+            try:
+                await self.publisher.redis.xadd(self.publisher.stream, fields)  # type: ignore[arg-type]
+                self._healthy = True
+                return
+            except Exception as exc:
+                self._healthy = False
+                if time.monotonic() >= deadline:
+                    self._state(workflow).lost = f"step {step!r}: {type(exc).__name__}: {exc}"
+                    log.error("step not recorded", workflow=workflow, step=step, error=repr(exc))
+                    return
+                log.warning("step not written yet; retrying", workflow=workflow, step=step, error=repr(exc))
+                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())) * (0.5 + random.random()))
+                delay = min(delay * 2, 1.0)
+
+    def lose(self, workflow: str, why: str) -> None:
+        """A completed call that cannot be recorded at all: counted, and its workflow refuses further calls."""
+        state = self._state(workflow)
+        state.steps += 1
+        state.lost = why
+
+    async def flush(self, workflow: str) -> None:
+        state = self.workflows.get(workflow)
+        if state is not None and state.tail is not None:
+            await asyncio.wait([state.tail])
+
+    async def fail(self, workflow: str, reason: str) -> str:
+        """workflow-failed after every step of it this gateway handled, which `stepsCompleted` counts."""
+        state = self._state(workflow)
+        await self.flush(workflow)
+        entry = await self.publisher.publish(workflow, workflow_failed(reason, steps_completed=state.steps))
+        state.ended = True
+        return entry
+
+    async def complete(self, workflow: str) -> str:
+        await self.flush(workflow)
+        entry = await self.publisher.publish(workflow, WorkflowCompleted())
+        self._state(workflow).ended = True
+        return entry
+
+    async def apply_policy(self, workflow: str, policy: str, why: str) -> None:
+        """End a workflow nobody ended, as the config says (`leave` publishes nothing)."""
+        state = self.workflows.get(workflow)
+        if state is None or state.ended or policy == "leave":
+            return
+        try:
+            if policy == "fail":
+                await self.fail(workflow, f"{why} without a signal (gateway policy: fail)")
+            else:
+                await self.complete(workflow)
+        except Exception as exc:
+            log.error("session policy could not be applied", workflow=workflow, policy=policy, error=repr(exc))
+            return
+        log.info("session policy applied", workflow=workflow, policy=policy, why=why)
+
+    async def watch_health(self, every: float = 0.5) -> None:
+        """Keep the health flag current, so a Redis outage refuses calls before any write has failed."""
+        while True:
+            await self.ping()
+            await asyncio.sleep(every)
+
+    def idle(self, older_than: float) -> list[str]:
+        """Workflows without a call for `older_than` seconds, ended or not: the sweeper's to settle and forget."""
+        cutoff = time.monotonic() - older_than
+        return [wf for wf, state in self.workflows.items() if state.last_seen < cutoff]
+
+    def forget(self, workflow: str) -> None:
+        """Drop what the gateway holds for a workflow, except one that must keep refusing calls."""
+        state = self.workflows.get(workflow)
+        if state is not None and (state.tail is None or state.tail.done()) and state.lost is None:
+            del self.workflows[workflow]

@@ -1,0 +1,166 @@
+"""The gateway's pure rules and its refusal logic, without processes: identity, step ids, config, auth, recorder."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from mcp_saga.gateway.app import BearerAuth, gateway_token
+from mcp_saga.gateway.identity import NoWorkflow, resolve_workflow, session_workflow
+from mcp_saga.gateway.proxy import step_id
+from mcp_saga.gateway.recorder import NotRecordable, Recorder
+from mcp_saga.runtime.publish import step_entry
+from mcp_saga.schemas.config import ConfigError, parse_config
+from mcp_saga.schemas.events import STEP_ID, WORKFLOW_META_KEY, check_workflow_id, decode_entry
+
+
+def test_identity_order_is_meta_then_header_then_session() -> None:
+    headers = {"saga-workflow": "from-header"}
+    assert resolve_workflow({WORKFLOW_META_KEY: "from-meta"}, headers, "gw-s") == ("from-meta", "meta")
+    assert resolve_workflow({}, headers, "gw-s") == ("from-header", "header")
+    assert resolve_workflow(None, None, "gw-s") == ("gw-s", "session")
+    with pytest.raises(NoWorkflow, match="names no workflow"):
+        resolve_workflow(None, {}, None)
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "-dash", "x" * 201, 42, "a\n"])
+def test_invalid_ids_are_refused_wherever_they_come_from(bad: Any) -> None:
+    with pytest.raises(NoWorkflow, match="invalid workflow id"):
+        resolve_workflow({WORKFLOW_META_KEY: bad}, None, "gw-s")
+    if isinstance(bad, str):
+        with pytest.raises(NoWorkflow, match="invalid workflow id"):
+            resolve_workflow(None, {"saga-workflow": bad}, "gw-s")
+
+
+def test_session_and_step_ids_fit_the_contract() -> None:
+    assert session_workflow("abc123") == "gw-abc123"
+    assert check_workflow_id(session_workflow("not valid/" * 40))
+    import re
+
+    for tool in ("charge_payment", "weird tool/name", "x" * 200):
+        step = step_id(12345, tool, "a1b2c3")
+        assert re.fullmatch(STEP_ID.strip("^$"), step) and step.endswith(".a1b2c3")
+
+
+def test_gateway_config_is_validated() -> None:
+    settings = parse_config({}).gateway
+    assert (settings.host, settings.tools, settings.on_session_end) == ("127.0.0.1", False, "leave")
+    for bad, message in [
+        ({"on_idle": "explode"}, "on_idle"),
+        ({"port": 70000}, "port"),
+        ({"token_env": "not a name"}, "token_env"),
+        ({"host": "0.0.0.0", "allow_anonymous": True}, "loopback"),
+        ({"surprise": 1}, "unknown field"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config({"gateway": bad})
+
+
+def test_the_token_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = parse_config({"gateway": {"token_env": "GW_TEST_TOKEN"}})
+    monkeypatch.delenv("GW_TEST_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="GW_TEST_TOKEN"):
+        gateway_token(config)
+    monkeypatch.setenv("GW_TEST_TOKEN", "s3cret")
+    assert gateway_token(config) == "s3cret"
+    assert gateway_token(parse_config({"gateway": {"allow_anonymous": True, "token_env": "GW_NONE"}})) is None
+
+
+def test_bearer_auth_refuses_before_the_app_runs() -> None:
+    reached: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+
+    async def call(headers: list[tuple[bytes, bytes]]) -> int:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await BearerAuth(app, "tok")({"type": "http", "path": "/mcp/payments", "headers": headers}, None, send)
+        return sent[0]["status"] if sent else 200
+
+    assert asyncio.run(call([])) == 401
+    assert asyncio.run(call([(b"authorization", b"Bearer nope")])) == 401
+    assert asyncio.run(call([(b"authorization", b"Bearer tok")])) == 200
+    assert reached == ["/mcp/payments"]
+
+
+class FlakyRedis:
+    """XADD fails `failures` times, then works; PING answers as `up` says."""
+
+    def __init__(self, failures: int, up: bool = True) -> None:
+        self.failures, self.up, self.added = failures, up, []
+
+    async def xadd(self, stream: str, fields: dict[bytes, bytes]) -> bytes:
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("redis went away")
+        self.added.append(fields)
+        return b"1-0"
+
+    async def ping(self) -> bool:
+        if not self.up:
+            raise ConnectionError("down")
+        return True
+
+
+def _fields(step: str, workflow: str = "wf") -> dict[bytes, bytes]:
+    return step_entry(workflow, step, "payments", "charge_payment", {"n": 1}, {"structuredContent": {"id": step}})
+
+
+def test_a_failed_write_is_retried_in_order() -> None:
+    async def run() -> FlakyRedis:
+        redis = FlakyRedis(failures=2)
+        recorder = Recorder(redis, retry_for=5.0)  # type: ignore[arg-type]
+        recorder.step("wf", "a", _fields("a"))
+        recorder.step("wf", "b", _fields("b"))
+        await recorder.flush("wf")
+        await recorder.admit("wf")  # written in the end: calls go on
+        return redis
+
+    added = asyncio.run(run()).added
+    assert [decode_entry("0-0", f).data.step for f in added] == ["a", "b"]
+
+
+def test_a_step_never_written_refuses_its_workflow_and_redis_down_refuses_all() -> None:
+    async def run() -> None:
+        redis = FlakyRedis(failures=1000)
+        recorder = Recorder(redis, retry_for=0.2)  # type: ignore[arg-type]
+        recorder.step("wf", "a", _fields("a"))
+        await recorder.flush("wf")
+        with pytest.raises(NotRecordable, match="could not record"):
+            await recorder.admit("wf")
+        await recorder.admit("other")  # Redis answers PING: other workflows go on
+        redis.up = False
+        assert not await recorder.ping()
+        with pytest.raises(NotRecordable, match="Redis is unreachable"):
+            await recorder.admit("other")
+        redis.up = True
+        await recorder.admit("other")  # healed: admitted again
+
+    asyncio.run(run())
+
+
+def test_idle_workflows_get_the_policy_once_and_are_forgotten() -> None:
+    async def run() -> FlakyRedis:
+        redis = FlakyRedis(failures=0)
+        recorder = Recorder(redis)  # type: ignore[arg-type]
+        recorder.step("idle-wf", "a", _fields("a", "idle-wf"))
+        await recorder.admit("ended-wf")
+        await recorder.complete("ended-wf")
+        assert set(recorder.idle(0.0)) == {"idle-wf", "ended-wf"}
+        for workflow in recorder.idle(0.0):
+            await recorder.apply_policy(workflow, "fail", "idle")
+            recorder.forget(workflow)
+        assert recorder.workflows == {}  # memory stays bounded
+        return redis
+
+    added = [decode_entry("0-0", f) for f in asyncio.run(run()).added]
+    by_workflow: dict[str, list[str]] = {}
+    for event in added:  # order is kept per workflow (steps before the terminal event), not across them
+        by_workflow.setdefault(event.workflow, []).append(event.type)
+    assert by_workflow == {"idle-wf": ["step-completed", "workflow-failed"], "ended-wf": ["workflow-completed"]}
+    assert added[-1].data.steps_completed == 1 and "idle" in added[-1].data.reason
