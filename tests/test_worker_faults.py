@@ -85,7 +85,7 @@ def test_a_hung_server_does_not_hold_back_another_servers_compensation(
         ("mcp_saga.examples.trivial",),
         env={"SAGA_TRIVIAL_ARRIVALS": str(seen)},
     ) as [(_, hung), (_, healthy)]:
-        settings = {**FAST, "attempts": 2, "concurrency": 4}
+        settings = {**FAST, "attempts": 2, "concurrency": 4, "job_timeout": 900}  # above the hung timeout
         servers = {"hung": {"url": hung, "timeout": 600}, "healthy": {"url": healthy}}
         config = write_config(tmp_path / "saga.toml", servers, worker=settings)
         # Six compensations to the hung server are queued ahead of the healthy one.
