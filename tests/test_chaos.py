@@ -1,6 +1,6 @@
 """The chaos run, reduced: real processes killed and restarted under load, and every guarantee asserted.
 
-`bench/chaos.py` does the work (the full run is `python -m bench.chaos`); this runs the same
+`bench/chaos/` does the work (the full run is `python -m bench.chaos`); this runs the same
 function with fewer workflows but every kind of fault at least twice (Redis and the MCP server
 once each), so a regression in any promise fails CI. The seed is fixed for reproducibility
 (`SAGA_CHAOS_SEED` overrides it); the timing of kills against the work in flight is not, which is
@@ -64,11 +64,14 @@ def test_reduced_chaos_run_keeps_every_guarantee(tmp_path) -> None:
     assert report.completed > 0 and report.failed > 0 and report.compensations > 0, text
     assert report.coordinator_kills >= 2 and report.worker_kills >= 2, text
     assert report.server_restarts >= 1 and report.redis_restarts == 1, text
+    assert report.server_blackholes >= 1 and report.redis_fills >= 1 and report.redis_wipes == 1, text
     assert report.unexpected_exits == 0, text
     assert report.crashes_after_call >= 1, text  # a worker died between a call and its report
     assert report.injected_errors > 0, text
     assert report.double_effects == 0 and report.lost_events == 0, text
-    assert set(report.statuses) <= {"completed", "compensated", "needs-attention"}, text
+    lost = "(lost with Redis's data)"
+    assert set(report.statuses) <= {"completed", "compensated", "needs-attention", lost}, text
+    assert report.statuses.get(lost, 0) == report.wiped_workflows, text
     assert all(reason.strip() for reason in report.attention.values()), text
     assert report.workflow_keys_after == 0, text
     assert report.memory_after <= report.memory_before + report.rq_bytes_after + settings.memory_slack, text
