@@ -185,3 +185,44 @@ def test_workflow_given_a_url_writes_its_steps_through_a_redis_restart(aof_redis
     r = redis.Redis.from_url(aof_redis.url)
     steps = [fields for _, fields in r.xrange(K.events) if fields[b"type"] == b"step-completed"]
     assert len(steps) >= 5  # a write retried across the restart may appear twice; the coordinator dedupes it
+
+
+def test_the_verifier_counts_workflows_lost_with_redis_data_instead_of_flagging_them() -> None:
+    """After a restart without data, a failed workflow in flight is never undone: counted, not a violation."""
+    from bench.chaos.verify import Tracker, verify
+
+    step = {"step": "s0", "server": "payments", "tool": "charge_payment", "holding": "tx-1"}
+    record = {"workflow": "w-lost", "outcome": "failed", "steps": [step], "unpublished": [],
+              "terminalPublished": True, "started": 10.0}  # fmt: skip
+    ledgers = {"payments": {"holdings": [{"id": "tx-1", "status": "charged"}], "effects": []}}
+    tracker = Tracker(None, K, [])  # type: ignore[arg-type]
+    tracker.records = {"w-lost": record, "w-later": {**record, "workflow": "w-later", "started": 30.0}}
+    tracker.wiped(19.0, 20.0)
+    assert tracker.lost() == {"w-lost"}
+    assert tracker.waiting() == ["w-later"]  # still expected to settle
+
+    report = Report()
+    verify({"w-lost": record}, {}, ledgers, [], [], report, lost=tracker.lost())
+    assert report.violations == []
+    assert (report.wiped_workflows, report.wiped_effects) == (1, 1)
+    flagged = Report()
+    verify({"w-lost": record}, {}, ledgers, [], [], flagged)
+    assert flagged.violations  # without the wipe, the same record is a lost workflow
+
+
+def test_an_oom_raised_inside_a_script_is_a_condition_to_wait_out(r: redis.Redis) -> None:
+    """RQ's enqueue runs a script; under maxmemory its redis.call fails and Redis wraps the OOM.
+
+    The chaos run caught a coordinator exiting on it ("Error running script ... -OOM ..."),
+    where a plain OOM is waited out.
+    """
+    from mcp_saga.coordinator.consumer import healing_condition
+
+    r.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.ResponseError) as raised:
+            r.eval("return redis.call('SET', KEYS[1], 'x')", 1, "chaos:oom")
+    finally:
+        r.config_set("maxmemory", 0)
+    assert healing_condition(raised.value) == "OOM", str(raised.value)
+    assert healing_condition(redis.ResponseError("Error running script: @user_script:1: boom")) is None
