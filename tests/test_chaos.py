@@ -225,4 +225,7 @@ def test_an_oom_raised_inside_a_script_is_a_condition_to_wait_out(r: redis.Redis
     finally:
         r.config_set("maxmemory", 0)
     assert healing_condition(raised.value) == "OOM", str(raised.value)
+    pipelined = f"Command # 2 (EVALSHA 0166 5 saga:{{w}}:state) of pipeline caused error: {raised.value}"
+    in_pipeline = redis.ResponseError(pipelined)
+    assert healing_condition(in_pipeline) == "OOM"
     assert healing_condition(redis.ResponseError("Error running script: @user_script:1: boom")) is None
