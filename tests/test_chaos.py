@@ -1,10 +1,12 @@
 """The chaos run, reduced: real processes killed and restarted under load, and every guarantee asserted.
 
 `bench/chaos/` does the work (the full run is `python -m bench.chaos`); this runs the same
-function with fewer workflows but every kind of fault at least twice (Redis and the MCP server
-once each), so a regression in any promise fails CI. The seed is fixed for reproducibility
-(`SAGA_CHAOS_SEED` overrides it); the timing of kills against the work in flight is not, which is
-the point. The two smaller tests pin the Redis-restart fixes the chaos run found.
+function with fewer workflows but every kind of fault at least twice (Redis restarts, the full
+Redis, its loss of data and the MCP server's restart and black hole once each), so a regression
+in any promise fails CI. The seed is fixed for reproducibility (`SAGA_CHAOS_SEED` overrides it);
+the timing of kills against the work in flight is not, which is the point. The smaller tests pin
+fixes the chaos run found (Redis restarts, an OOM inside a script) and the verifier's accounting
+of a Redis that lost its data.
 """
 
 from __future__ import annotations
