@@ -19,6 +19,7 @@ from mcp_saga.runtime.reader import WorkflowSnapshot, decode_fields, state_field
 from mcp_saga.runtime.redis_checks import inspect_redis
 from mcp_saga.schemas.keys import STATUSES
 from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
+from mcp_saga.schemas.results import result_text
 
 
 def load_workflow(ops: Ops, workflow: str) -> tuple[WorkflowState, dict[str, Compensation]]:
@@ -38,8 +39,7 @@ def _result_summary(result: Any) -> str:
         return render.text(result, 60)
     body = result.get("structuredContent")
     if body is None:
-        blocks = result.get("content") if isinstance(result.get("content"), list) else []
-        body = " ".join(str(b.get("text", "")) for b in blocks if isinstance(b, dict) and b.get("type") == "text")
+        body = result_text(result)
     return ("error: " if result.get("isError") else "") + render.text(body, 60)
 
 
