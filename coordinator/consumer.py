@@ -9,6 +9,7 @@ redelivered after a crash folds to no change, and its workflows' queued jobs are
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import time
@@ -42,6 +43,9 @@ MAX_REFUSAL_BACKOFF = 5.0
 # Workflows whose step count a coordinator remembers for the fast path (see _record_fresh_steps).
 STEP_COUNT_CACHE = 100_000
 # Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
+# How Redis (6.2, 7.0) reports an error a script's redis.call raised: the inner error's prefix after
+# a dash, behind "Command # N (EVALSHA ...) of pipeline caused error: " when it ran in a pipeline.
+SCRIPT_ERROR = re.compile(r"Error running script .*?@user_script: ?\d+: -([A-Z]+) ")
 HEALING = ("OOM", "NOGROUP", "READONLY", "MISCONF", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING")
 
 
@@ -55,7 +59,11 @@ def healing_condition(exc: ResponseError) -> str | None:
         return "OOM"
     if isinstance(exc, ReadOnlyError):
         return "READONLY"
-    word = str(exc).split(" ", 1)[0]
+    text = str(exc)
+    word = text.split(" ", 1)[0]
+    inner = SCRIPT_ERROR.search(text)  # raised by redis.call inside a script (ours or RQ's), maybe in a pipeline
+    if inner:
+        word = inner.group(1)
     return word if word in HEALING else None
 
 

@@ -1,10 +1,12 @@
 """The chaos run, reduced: real processes killed and restarted under load, and every guarantee asserted.
 
-`bench/chaos.py` does the work (the full run is `python -m bench.chaos`); this runs the same
-function with fewer workflows but every kind of fault at least twice (Redis and the MCP server
-once each), so a regression in any promise fails CI. The seed is fixed for reproducibility
-(`SAGA_CHAOS_SEED` overrides it); the timing of kills against the work in flight is not, which is
-the point. The two smaller tests pin the Redis-restart fixes the chaos run found.
+`bench/chaos/` does the work (the full run is `python -m bench.chaos`); this runs the same
+function with fewer workflows but every kind of fault at least twice (Redis restarts, the full
+Redis, its loss of data and the MCP server's restart and black hole once each), so a regression
+in any promise fails CI. The seed is fixed for reproducibility (`SAGA_CHAOS_SEED` overrides it);
+the timing of kills against the work in flight is not, which is the point. The smaller tests pin
+fixes the chaos run found (Redis restarts, an OOM inside a script) and the verifier's accounting
+of a Redis that lost its data.
 """
 
 from __future__ import annotations
@@ -64,11 +66,14 @@ def test_reduced_chaos_run_keeps_every_guarantee(tmp_path) -> None:
     assert report.completed > 0 and report.failed > 0 and report.compensations > 0, text
     assert report.coordinator_kills >= 2 and report.worker_kills >= 2, text
     assert report.server_restarts >= 1 and report.redis_restarts == 1, text
+    assert report.server_blackholes >= 1 and report.redis_fills >= 1 and report.redis_wipes == 1, text
     assert report.unexpected_exits == 0, text
     assert report.crashes_after_call >= 1, text  # a worker died between a call and its report
     assert report.injected_errors > 0, text
     assert report.double_effects == 0 and report.lost_events == 0, text
-    assert set(report.statuses) <= {"completed", "compensated", "needs-attention"}, text
+    lost = "(lost with Redis's data)"
+    assert set(report.statuses) <= {"completed", "compensated", "needs-attention", lost}, text
+    assert report.statuses.get(lost, 0) == report.wiped_workflows, text
     assert all(reason.strip() for reason in report.attention.values()), text
     assert report.workflow_keys_after == 0, text
     assert report.memory_after <= report.memory_before + report.rq_bytes_after + settings.memory_slack, text
@@ -182,3 +187,47 @@ def test_workflow_given_a_url_writes_its_steps_through_a_redis_restart(aof_redis
     r = redis.Redis.from_url(aof_redis.url)
     steps = [fields for _, fields in r.xrange(K.events) if fields[b"type"] == b"step-completed"]
     assert len(steps) >= 5  # a write retried across the restart may appear twice; the coordinator dedupes it
+
+
+def test_the_verifier_counts_workflows_lost_with_redis_data_instead_of_flagging_them() -> None:
+    """After a restart without data, a failed workflow in flight is never undone: counted, not a violation."""
+    from bench.chaos.verify import Tracker, verify
+
+    step = {"step": "s0", "server": "payments", "tool": "charge_payment", "holding": "tx-1"}
+    record = {"workflow": "w-lost", "outcome": "failed", "steps": [step], "unpublished": [],
+              "terminalPublished": True, "started": 10.0}  # fmt: skip
+    ledgers = {"payments": {"holdings": [{"id": "tx-1", "status": "charged"}], "effects": []}}
+    tracker = Tracker(None, K, [])  # type: ignore[arg-type]
+    tracker.records = {"w-lost": record, "w-later": {**record, "workflow": "w-later", "started": 30.0}}
+    tracker.wiped(19.0, 20.0)
+    assert tracker.lost() == {"w-lost"}
+    assert tracker.waiting() == ["w-later"]  # still expected to settle
+
+    report = Report()
+    verify({"w-lost": record}, {}, ledgers, [], [], report, lost=tracker.lost())
+    assert report.violations == []
+    assert (report.wiped_workflows, report.wiped_effects) == (1, 1)
+    flagged = Report()
+    verify({"w-lost": record}, {}, ledgers, [], [], flagged)
+    assert flagged.violations  # without the wipe, the same record is a lost workflow
+
+
+def test_an_oom_raised_inside_a_script_is_a_condition_to_wait_out(r: redis.Redis) -> None:
+    """RQ's enqueue runs a script; under maxmemory its redis.call fails and Redis wraps the OOM.
+
+    The chaos run caught a coordinator exiting on it ("Error running script ... -OOM ..."),
+    where a plain OOM is waited out.
+    """
+    from mcp_saga.coordinator.consumer import healing_condition
+
+    r.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.ResponseError) as raised:
+            r.eval("return redis.call('SET', KEYS[1], 'x')", 1, "chaos:oom")
+    finally:
+        r.config_set("maxmemory", 0)
+    assert healing_condition(raised.value) == "OOM", str(raised.value)
+    pipelined = f"Command # 2 (EVALSHA 0166 5 saga:{{w}}:state) of pipeline caused error: {raised.value}"
+    in_pipeline = redis.ResponseError(pipelined)
+    assert healing_condition(in_pipeline) == "OOM"
+    assert healing_condition(redis.ResponseError("Error running script: @user_script:1: boom")) is None

@@ -1,0 +1,203 @@
+"""What a chaos run is given (Settings) and what it finds (Report), and the example servers' vocabulary."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+SERVERS = ("inventory", "payments", "shipping")
+# tool -> (server, field of the result naming the holding it created, status it creates)
+FORWARD = {
+    "reserve_inventory": ("inventory", "reservationId", "active"),
+    "charge_payment": ("payments", "transactionId", "charged"),
+    "create_shipment": ("shipping", "shipmentId", "created"),
+}
+# server -> (compensating tool, the status a holding has once undone)
+UNDO = {"inventory": ("release_inventory", "released"), "payments": ("refund_payment", "refunded"),
+        "shipping": ("cancel_shipment", "cancelled")}  # fmt: skip
+UNDO_TOOLS = {tool for tool, _ in UNDO.values()}
+TERMINAL = ("completed", "compensated", "needs-attention")
+Out = Callable[[str], None]
+
+
+@dataclass
+class Settings:
+    """One chaos run. The defaults are the full run; `Settings.reduced()` is the test suite's."""
+
+    workflows: int = 500
+    publishers: int = 4
+    concurrency: int = 5  # workflows in flight per publisher
+    coordinators: int = 2
+    workers: int = 3
+    kills: int = 5  # SIGKILLs of coordinators, and as many of workers
+    server_restarts: int = 1
+    redis_restarts: int = 1
+    crashes_after_call: int = 2  # extra workers that die between a compensation call and its report
+    stalls: int = 2  # SIGSTOPs of coordinators (resumed later), and as many of workers mid-call
+    stall_seconds: float = 6.0  # longer than claim_idle_ms and the lease: claims and the watchdog step in
+    blackholes: int = 1  # SIGSTOPs of an example server (for stall_seconds): its calls hang
+    fills: int = 1  # times Redis's maxmemory is set just above its use (noeviction: writes fail with OOM)
+    full_seconds: float = 3.0  # how long Redis stays full each time
+    full_margin: int = 8 * 1024  # bytes of maxmemory above used_memory while full
+    wipes: int = 1  # restarts of redis-server without its data (append-only file deleted)
+    min_steps: int = 3
+    max_steps: int = 5
+    fail_share: float = 0.4  # share of workflows that fail, at a random step
+    fail_rate: float = 0.2  # share of compensation calls the servers fail transiently
+    # mcp-saga's own timeouts, short so that the watchdog, claims and leases all get exercised.
+    watchdog_after: float = 4.0
+    claim_idle_ms: int = 1000
+    barrier_grace: float = 5.0
+    lease: float = 4.0
+    call_timeout: float = 3.0  # a worker's timeout per compensation call (below the lease)
+    attempts: int = 6
+    backoff_base: float = 0.5
+    backoff_max: float = 2.0
+    job_timeout: int = 15
+    retention: int = 15  # seconds a settled workflow stays in Redis (short, so expiry can be watched)
+    idle_ttl: int = 300
+    publisher_call_timeout: float = 15.0
+    publish_timeout: float = 600.0  # bounded wait for the publishers
+    settle_timeout: float = 180.0  # bounded wait for quiescence after the publishers finished
+    expiry_timeout: float = 90.0  # bounded wait for keys to expire after quiescence
+    memory_slack: int = 1024 * 1024  # bytes above the baseline still called "back to baseline"
+    seed: int | None = None
+    workdir: str | None = None
+    keep: bool = False
+
+    @classmethod
+    def reduced(cls, **overrides: Any) -> Settings:
+        """The test suite's run: every kind of fault at least twice, well under a minute and a half."""
+        base = dict(workflows=64, publishers=2, concurrency=4, workers=2, kills=2, retention=6, expiry_timeout=60)
+        return cls(**{**base, **overrides})
+
+
+@dataclass
+class Report:
+    """What the run did and found; `violations` is empty when every guarantee held."""
+
+    workflows: int = 0
+    completed: int = 0
+    failed: int = 0
+    steps: int = 0
+    compensations: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    coordinator_kills: int = 0
+    worker_kills: int = 0
+    worker_kills_mid_job: int = 0
+    server_restarts: int = 0
+    redis_restarts: int = 0
+    coordinator_stalls: int = 0
+    server_blackholes: int = 0
+    redis_fills: int = 0
+    oom_refusals: int = 0
+    redis_wipes: int = 0
+    wiped_workflows: int = 0  # in flight when Redis lost its data: lost, and counted as such
+    wiped_effects: int = 0  # their committed effects left in place (Redis no longer knew of them)
+    worker_stalls: int = 0
+    unexpected_exits: int = 0
+    injected_errors: int = 0
+    transport_errors: int = 0  # compensation calls that got no answer (the server restart)
+    dispatches: int = 0
+    redispatches: int = 0
+    crashes_after_call: int = 0
+    crash_repeats: int = 0  # of those, compensations whose call had taken effect and was made again
+    repeat_calls: int = 0  # compensation calls that reached a server again for an already-applied key
+    duplicate_jobs_stopped: int = 0  # job runs that a worker skipped (already settled, stale, leased)
+    double_effects: int = 0
+    lost_events: int = 0
+    out_of_order: int = 0  # failed workflows whose undos were not applied last-first
+    late_steps: int = 0  # steps of completed workflows handled after their completion (a kill reordered them)
+    left_for_human: int = 0  # committed effects of needs-attention workflows, not undone, with a reason
+    unseen_effects: int = 0  # effects a server applied but no orchestrator learned of (not mcp-saga's to undo)
+    attention: dict[str, str] = field(default_factory=dict)
+    dead_letters: dict[str, int] = field(default_factory=dict)
+    workflow_keys_after: int = -1
+    memory_detail: dict[str, dict[str, int]] = field(default_factory=dict)
+    memory_before: int = 0
+    memory_after: int = 0
+    rq_bytes_after: int = 0
+    memory_peak: int = 0  # Redis's used_memory_peak over the run (its server is the run's own)
+    events_added: int = 0  # events published: steps and terminal events of the records, workers' reports
+    publish_seconds: float = 0.0  # from the first publisher's start to the last one's end
+    settle_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    seed: int = 0
+    workdir: str = ""
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def rows(self) -> list[tuple[str, str]]:
+        statuses = ", ".join(f"{n} {s}" for s, n in sorted(self.statuses.items()))
+        return [
+            ("workflows", f"{self.workflows} ({self.completed} completed, {self.failed} failed: {statuses})"),
+            ("steps", str(self.steps)),
+            ("compensations", f"{self.compensations} ({self.dispatches} dispatched, {self.redispatches} again)"),
+            (
+                "kills survived",
+                f"{self.coordinator_kills} coordinator, {self.worker_kills} worker "
+                f"({self.worker_kills_mid_job} mid-job), SIGKILL; {self.crashes_after_call} workers died "
+                "between a call and its report",
+            ),
+            (
+                "stalls survived",
+                f"{self.coordinator_stalls} coordinator, {self.worker_stalls} worker (mid-call when one was busy), "
+                "SIGSTOP then SIGCONT",
+            ),
+            ("server restarts", f"{self.server_restarts} (+ {self.server_blackholes} black-holed: calls hang)"),
+            ("redis restarts", f"{self.redis_restarts} (append-only file on)"),
+            (
+                "redis full",
+                f"{self.redis_fills} (maxmemory just above use, noeviction): {self.oom_refusals} commands refused "
+                "with OOM",
+            ),
+            (
+                "redis data lost",
+                f"{self.redis_wipes} (restarted without its append-only file): {self.wiped_workflows} workflows "
+                f"in flight lost, {self.wiped_effects} of their effects left in place",
+            ),
+            (
+                "injected errors",
+                f"{self.injected_errors} (+ {self.transport_errors} calls with no answer while a server restarted)",
+            ),
+            (
+                "repeats absorbed",
+                f"{self.repeat_calls} calls by the idempotency key ({self.crash_repeats} after a worker died between "
+                f"call and report), {self.duplicate_jobs_stopped} job runs by the record or lease",
+            ),
+            ("double effects", str(self.double_effects)),
+            ("out of LIFO order", str(self.out_of_order)),
+            (
+                "lost events",
+                f"{self.lost_events}"
+                + (
+                    f" ({self.late_steps} steps of completed workflows were reordered by a kill "
+                    "and recorded after the completion)"
+                    if self.late_steps
+                    else ""
+                ),
+            ),
+            ("needs-attention", f"{len(self.attention)} workflows, {self.left_for_human} effects left with a reason"),
+            (
+                "effects no one published",
+                f"{self.unseen_effects} (a call the orchestrator saw fail but the server ran)",
+            ),
+            ("keys after expiry", f"{self.workflow_keys_after} per-workflow keys"),
+            (
+                "redis memory",
+                f"{self.memory_before / 1e6:.2f} MB before, {self.memory_after / 1e6:.2f} MB after "
+                f"({self.rq_bytes_after / 1e6:.2f} MB of it RQ job records)",
+            ),
+            ("wall time", f"{self.wall_seconds:.0f} s (quiescent {self.settle_seconds:.0f} s after the last workflow)"),
+        ]
+
+    def table(self) -> str:
+        rows = self.rows()
+        width = max(len(k) for k, _ in rows)
+        lines = [f"| {'':{width}} | chaos run |", f"| {'-' * width} | --- |"]
+        lines += [f"| {k:{width}} | {v} |" for k, v in rows]
+        return "\n".join(lines)
+

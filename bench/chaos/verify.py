@@ -1,0 +1,381 @@
+"""Watching Redis while the run goes, and checking every guarantee against the servers' ledgers afterwards."""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+from mcp_saga.examples.ledger import TRANSIENT_PREFIX
+from mcp_saga.schemas.keys import DEAD_REASON, STATUSES, Keys
+
+from bench.chaos.model import FORWARD, TERMINAL, UNDO, UNDO_TOOLS, Report
+
+# Watching Redis ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """What Redis said about one workflow once it settled (taken before its retention expires)."""
+
+    state: dict[str, str]
+    comps: dict[str, dict[str, Any]]
+    steps: int
+    log: list[dict[str, str]]
+
+
+class Tracker:
+    """Reads the publishers' records as they are written and snapshots each workflow once it settles."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, paths: list[Path]) -> None:
+        self.r, self.keys, self.paths = r, keys, paths
+        self.offsets = {p: 0 for p in paths}
+        self.records: dict[str, dict[str, Any]] = {}
+        self.snapshots: dict[str, Snapshot] = {}
+        self.last_settled = time.monotonic()
+        self.wipes: list[tuple[float, frozenset[str]]] = []  # (when Redis was back, who had settled before)
+
+    def wiped(self, began: float, ended: float) -> None:
+        """Redis lost its data between `began` and `ended` (wall clock): remember who had settled by then."""
+        self.wipes.append((ended, frozenset(self.snapshots)))
+
+    def lost(self) -> set[str]:
+        """Workflows that had started and not settled (as far as was seen) when Redis lost its data."""
+        return {
+            w
+            for w, rec in self.records.items()
+            if any(w not in settled and rec.get("started", 0.0) < ended for ended, settled in self.wipes)
+        }
+
+    def read(self) -> None:
+        for path in self.paths:
+            if not path.exists():
+                continue
+            with path.open() as f:
+                f.seek(self.offsets[path])
+                while (line := f.readline()).endswith("\n"):
+                    self.offsets[path] = f.tell()
+                    record = json.loads(line)
+                    self.records[record["workflow"]] = record
+
+    def waiting(self) -> list[str]:
+        """Workflows whose terminal event was published and which have not settled yet (nor were lost)."""
+        lost = self.lost() if self.wipes else set()
+        return [
+            w
+            for w, rec in self.records.items()
+            if rec["terminalPublished"] and w not in self.snapshots and w not in lost
+        ]
+
+    def poll(self) -> None:
+        self.read()
+        self.follow_changes()
+        waiting = self.waiting()
+        if not waiting:
+            return
+        try:
+            with self.r.pipeline(transaction=False) as pipe:
+                for workflow in waiting:
+                    pipe.hget(self.keys.state(workflow), "status")
+                statuses = pipe.execute()
+            settled = [w for w, s in zip(waiting, statuses, strict=True) if s and s.decode() in TERMINAL]
+            self.snapshots.update(self.snapshot(settled))
+        except redis.ConnectionError:
+            return  # Redis is restarting: look again on the next round
+        if settled:
+            self.last_settled = time.monotonic()
+
+    def snapshot(self, workflows: list[str]) -> dict[str, Snapshot]:
+        with self.r.pipeline(transaction=False) as pipe:
+            for workflow in workflows:
+                pipe.hgetall(self.keys.state(workflow))
+                pipe.hgetall(self.keys.comp(workflow))
+                pipe.llen(self.keys.steps(workflow))
+                pipe.xrange(self.keys.log(workflow))
+            replies = iter(pipe.execute())
+        taken = {}
+        for workflow in workflows:
+            state, comps, steps, log = next(replies), next(replies), next(replies), next(replies)
+            if not state:
+                continue
+            taken[workflow] = Snapshot(
+                state={k.decode(): v.decode() for k, v in state.items()},
+                comps={k.decode(): json.loads(v) for k, v in comps.items()},
+                steps=steps,
+                log=[{k.decode(): v.decode() for k, v in f.items()} for _, f in log],
+            )
+        return taken
+
+    def follow_changes(self) -> None:
+        """Snapshot again the settled workflows that changed since (a step claimed from a killed
+        coordinator can land on a completed workflow), before their retention runs out."""
+        names = list(self.snapshots)
+        try:
+            with self.r.pipeline(transaction=False) as pipe:
+                for workflow in names:
+                    pipe.hget(self.keys.state(workflow), "version")
+                versions = pipe.execute()
+            moved = [
+                w
+                for w, v in zip(names, versions, strict=True)
+                if v is not None and v.decode() != self.snapshots[w].state.get("version")
+            ]
+            if moved:
+                self.snapshots.update(self.snapshot(moved))
+        except redis.ConnectionError:
+            return  # Redis is restarting: look again on the next round
+
+    def refresh(self) -> None:
+        """Take the latest view of every snapshotted workflow still in Redis (a late event may have moved it)."""
+        alive = [w for w in self.snapshots if self.r.exists(self.keys.state(w))]
+        for i in range(0, len(alive), 200):
+            self.snapshots.update(self.snapshot(alive[i : i + 200]))
+
+
+def events_outstanding(r: redis.Redis, keys: Keys) -> int:
+    """Entries of `saga:events` the coordinators have not acknowledged, or not read yet."""
+    try:
+        groups = r.xinfo_groups(keys.events)
+    except redis.ResponseError:
+        return 0
+    return sum((g.get("pending") or 0) + (g.get("lag") or 0) for g in groups)
+
+
+def footprint(r: redis.Redis, keys: Keys, ignore: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Memory and keys: what "back to baseline" is measured with.
+
+    `ignore` names workflows whose orchestrator never published a terminal event: they stay
+    `running` until `idle_ttl`, as documented, so their keys are not expected to expire here.
+    """
+    workflow_keys = 0
+    for key in r.scan_iter(match=keys.workflow_pattern(), count=1000):
+        tag = key.decode(errors="replace").partition("{")[2].rpartition("}")[0]
+        workflow_keys += tag not in ignore
+    rq_bytes = 0
+    for key in r.scan_iter(match="rq:*", count=1000):
+        rq_bytes += r.memory_usage(key, samples=0) or 0
+    indexed = sum(r.zcard(keys.index(s)) for s in STATUSES) + r.zcard(keys.deadlines)
+    # Redis 7 keeps a latency histogram (~25 kB) per command name ever run, which would count the
+    # commands this run used, not its data: statistics only, reset before each measurement.
+    r.config_resetstat()
+    memory = r.info("memory")
+    saga_bytes = sum(r.memory_usage(k, samples=0) or 0 for k in r.scan_iter(match=f"{keys.prefix}:*", count=1000))
+    return {
+        "used_memory": int(memory["used_memory"]),
+        "dataset": int(memory["used_memory_dataset"]),
+        "overhead": int(memory["used_memory_overhead"]),
+        "clients": int(memory.get("mem_clients_normal", 0)),
+        "scripts": int(memory.get("used_memory_scripts", 0)),
+        "saga_bytes": saga_bytes,
+        "keys": int(r.dbsize()),
+        "workflow_keys": workflow_keys,
+        "indexed": indexed,
+        "rq_bytes": rq_bytes,
+        "events": r.xlen(keys.events),
+    }
+
+
+# Checking ---------------------------------------------------------------------------------------
+
+
+def dead_letters(r: redis.Redis, keys: Keys) -> list[dict[str, str]]:
+    """Every dead-lettered entry: its type, workflow, step (when its data names one) and the reason."""
+    entries = []
+    for _, fields in r.xrange(keys.dead_letter):
+        text = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()}
+        step = ""
+        with contextlib.suppress(ValueError, AttributeError):
+            step = str(json.loads(text.get("data", "{}")).get("step", ""))
+        entries.append({"type": text.get("type", ""), "workflow": text.get("workflow", ""), "step": step,
+                        "reason": text.get(DEAD_REASON, "?")})  # fmt: skip
+    return entries
+
+
+def worker_log_events(workdir: Path) -> list[dict[str, Any]]:
+    """The workers' JSON log lines about compensations (RQ's own plain lines are skipped)."""
+    events = []
+    for path in sorted(workdir.glob("worker-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"compensation ' in line:
+                with contextlib.suppress(ValueError):
+                    events.append(json.loads(line))
+    return events
+
+
+def verify(
+    records: dict[str, dict[str, Any]],
+    snapshots: dict[str, Snapshot],
+    ledgers: dict[str, dict[str, Any]],
+    worker_log: list[dict[str, Any]],
+    dead: list[dict[str, str]],
+    report: Report,
+    crashed: list[tuple[str, str, float]] = (),  # type: ignore[assignment]
+    lost: set[str] = frozenset(),  # type: ignore[assignment]
+) -> None:
+    """Every guarantee, checked against the servers' ledgers and the publishers' records.
+
+    `lost` names the workflows in flight when Redis restarted without its data: mcp-saga cannot
+    know of them any more, so their effects are counted as left in place, not flagged; the
+    ledger-wide checks (one effect per key and per holding, nothing undone unpublished) still
+    apply to them.
+    """
+    violations = report.violations
+    holdings: dict[str, tuple[str, dict[str, Any]]] = {}
+    by_holding: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for server, ledger in ledgers.items():
+        for holding in ledger["holdings"]:
+            holdings[holding["id"]] = (server, holding)
+        for effect in ledger["effects"]:
+            by_holding[effect["holding"]].append(effect)
+            if effect["tool"] in UNDO_TOOLS and effect["idempotencyKey"]:
+                by_key[effect["idempotencyKey"]].append(effect)
+
+    # Exactly once, from the ledgers alone: one undo per key, at most one undo per holding.
+    for key, effects in by_key.items():
+        if len(effects) > 1:
+            report.double_effects += len(effects) - 1
+            violations.append(f"idempotency key {key} applied {len(effects)} times: {effects}")
+    for holding, effects in by_holding.items():
+        undos = [e for e in effects if e["tool"] in UNDO_TOOLS]
+        if len(undos) > 1 and len({e["idempotencyKey"] for e in undos}) > 1:
+            report.double_effects += len(undos) - 1
+            violations.append(f"holding {holding} undone {len(undos)} times under different keys")
+        if any(not e["idempotencyKey"] for e in undos):
+            violations.append(f"holding {holding} undone without an idempotency key")
+
+    known: set[str] = set()
+    statuses: Counter[str] = Counter()
+    for workflow, record in sorted(records.items()):
+        steps = record["steps"]
+        known.update(s["holding"] for s in steps + record["unpublished"])
+        report.steps += len(steps)
+        if record["outcome"] == "completed":
+            report.completed += 1
+        else:
+            report.failed += 1
+        if workflow in lost:
+            statuses["(lost with Redis's data)"] += 1
+            report.wiped_workflows += 1
+            report.wiped_effects += sum(
+                1 for step in steps if not any(e["tool"] in UNDO_TOOLS for e in by_holding[step["holding"]])
+            )
+            continue
+        if not record["terminalPublished"]:
+            statuses["(terminal event not published)"] += 1
+            continue
+        snap = snapshots.get(workflow)
+        if snap is None:
+            report.lost_events += 1 + len(steps)
+            violations.append(f"{workflow}: no settled state in Redis ({record['outcome']}, {len(steps)} steps)")
+            continue
+        status = snap.state.get("status", "?")
+        statuses[status] += 1
+        recorded = snap.steps
+        for step in steps:
+            comp = snap.comps.get(step["step"])
+            if comp is not None:
+                # A step claimed from a killed coordinator after another one completed the workflow
+                # is recorded as such: in the history, nothing to undo.
+                report.late_steps += "after the workflow completed" in (comp.get("reason") or "")
+                continue
+            report.lost_events += 1
+            violations.append(f"{workflow}: step {step['step']} was published but is not recorded")
+        if recorded > len(steps) + len(record["unpublished"]):
+            violations.append(f"{workflow}: {recorded} steps recorded, only {len(steps)} published")
+
+        if record["outcome"] == "completed":
+            if status != "completed":
+                report.lost_events += status == "running"
+                violations.append(f"{workflow}: completed by its orchestrator, but {status} in Redis")
+            for step in steps:
+                undos = [e for e in by_holding[step["holding"]] if e["tool"] in UNDO_TOOLS]
+                _, holding = holdings.get(step["holding"], ("", None))
+                if undos or holding is None or holding["status"] != FORWARD[step["tool"]][2]:
+                    violations.append(f"{workflow}: holding {step['holding']} of a completed workflow was touched")
+            continue
+
+        if status not in ("compensated", "needs-attention"):
+            report.lost_events += status == "running"
+            violations.append(f"{workflow}: failed, but left {status}")
+            continue
+        if status == "needs-attention":
+            reason = snap.state.get("attention", "")
+            report.attention[workflow] = reason
+            if not reason.strip():
+                violations.append(f"{workflow}: needs-attention without a reason")
+        flagged = "never recorded" in snap.state.get("attention", "")
+        if record["unpublished"] and not flagged and recorded < len(steps) + len(record["unpublished"]):
+            violations.append(f"{workflow}: a step's event was not published, but nothing flags it")
+        for step in steps:
+            comp = snap.comps.get(step["step"])
+            undos = [e for e in by_holding[step["holding"]] if e["tool"] in UNDO_TOOLS]
+            server, holding = holdings.get(step["holding"], (step["server"], None))
+            if comp is None:
+                violations.append(f"{workflow}: step {step['step']} has no compensation record")
+            elif comp["status"] == "succeeded":
+                if len(undos) != 1:
+                    violations.append(f"{workflow}: step {step['step']} succeeded, but {len(undos)} undo effects")
+                elif undos[0]["idempotencyKey"] != comp["idempotencyKey"]:
+                    violations.append(f"{workflow}: step {step['step']} was undone under another key")
+                elif holding is None or holding["status"] != UNDO[server][1]:
+                    violations.append(f"{workflow}: holding {step['holding']} is not {UNDO[server][1]}")
+                else:
+                    report.compensations += 1
+            elif status == "compensated":
+                violations.append(f"{workflow}: compensated, but step {step['step']} is {comp['status']}")
+            elif undos:
+                report.compensations += 1  # applied, its report lost: the record says what a human must check
+            else:
+                report.left_for_human += 1
+        # LIFO, from the servers' clocks: each undo applied after those of every later step.
+        applied = [(e["at"], int(step["step"][1:])) for step in steps for e in by_holding[step["holding"]]
+                   if e["tool"] in UNDO_TOOLS]  # fmt: skip
+        order = [index for _, index in sorted(applied)]
+        if order != sorted(order, reverse=True):
+            report.out_of_order += 1
+            violations.append(f"{workflow}: steps undone in the order {order}, not last-first")
+        for comp in snap.comps.values():
+            dispatched = sum(1 for e in snap.log if e.get("type") == "compensation-dispatched"
+                             and e.get("step") == comp["step"])  # fmt: skip
+            report.dispatches += dispatched
+            report.redispatches += max(0, dispatched - 1)
+    report.statuses = dict(statuses)
+
+    # Effects nobody published: a call that failed at the client but ran at the server.
+    for holding in holdings:
+        if holding in known:
+            continue
+        report.unseen_effects += 1
+        if any(e["tool"] in UNDO_TOOLS for e in by_holding[holding]):
+            violations.append(f"holding {holding} was undone, but no orchestrator ever published it")
+
+    # Repeats the key absorbed: successful calls beyond the first for one compensation.
+    calls: Counter[tuple[str, str]] = Counter()
+    for event in worker_log:
+        msg = event.get("msg", "")
+        if msg == "compensation succeeded":
+            calls[(event.get("workflow", ""), event.get("step", ""))] += 1
+        elif msg == "compensation skipped":
+            report.duplicate_jobs_stopped += 1
+        elif msg == "compensation failed":
+            error = str(event.get("error", ""))
+            if TRANSIENT_PREFIX in error:
+                report.injected_errors += 1
+            elif "Error executing tool" not in error:  # no answer: the server was restarting
+                report.transport_errors += 1
+    report.repeat_calls = sum(n - 1 for n in calls.values() if n > 1)
+
+    # A worker that died between its call and its report: the call took effect (the ledger says so,
+    # before the death), the compensation was dispatched again, and the key kept it to one effect.
+    for workflow, step, died in crashed:
+        comp = snapshots[workflow].comps.get(step) if workflow in snapshots else None
+        effects = by_key.get(comp["idempotencyKey"], []) if comp else []
+        if comp and comp["status"] == "succeeded" and len(effects) == 1 and effects[0]["at"] <= died:
+            report.repeat_calls += 1
+            report.crash_repeats += 1
+
