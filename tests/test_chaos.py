@@ -227,7 +227,9 @@ def test_an_oom_raised_inside_a_script_is_a_condition_to_wait_out(r: redis.Redis
     finally:
         r.config_set("maxmemory", 0)
     assert healing_condition(raised.value) == "OOM", str(raised.value)
-    pipelined = f"Command # 2 (EVALSHA 0166 5 saga:{{w}}:state) of pipeline caused error: {raised.value}"
-    in_pipeline = redis.ResponseError(pipelined)
-    assert healing_condition(in_pipeline) == "OOM"
+    # Redis 7 answers with an OOM error redis-py has a class for; 6.2 wrapped it in the script's error text.
+    redis62 = "Error running script (call to f_0166): @user_script:1: -OOM command not allowed when used memory"
+    assert healing_condition(redis.ResponseError(redis62)) == "OOM"
+    pipelined = f"Command # 2 (EVALSHA 0166 5 saga:{{w}}:state) of pipeline caused error: {redis62}"
+    assert healing_condition(redis.ResponseError(pipelined)) == "OOM"
     assert healing_condition(redis.ResponseError("Error running script: @user_script:1: boom")) is None
