@@ -76,10 +76,6 @@ def decode_records(raw: dict[bytes, bytes]) -> dict[str, Compensation]:
     return dict(sorted(comps.items(), key=lambda kv: kv[1].seq))
 
 
-def decode_fields(fields: dict[bytes, bytes]) -> dict[str, str]:
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()}
-
-
 def state_fields(state: WorkflowState) -> dict[str, Any]:
     """Every field under its hash name; `to_builtins` would drop defaults such as status `running`."""
     return {f.encode_name: getattr(state, f.name) for f in msgspec.structs.fields(state)}
