@@ -46,7 +46,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     for tool, d in sorted(declared.items()):
         if d.recovery is None:
             continue
-        problems = check_declaration(tool, d.recovery, schemas)
+        parsed = d.parsed_recovery()
+        operation = parsed.compensating_operation if parsed is not None else None
+        consented = operation is not None and not config.policy.self_inverse_refusal(
+            name, tool, operation.operation_id, "server"
+        )
+        problems = check_declaration(tool, d.recovery, schemas, self_inverse=consented)
         if d.problem and d.parsed_recovery() is not None:  # an invalid one is already an error above
             problems.append(Problem(tool, "recovery", d.problem, "warning"))
         if tool in server.recovery and server.recovery[tool].to_wire() != wire(d.recovery):
@@ -60,7 +65,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 "tool": tool,
                 "source": "overlay",
                 "recovery": recovery.to_wire(),
-                "problems": check_declaration(tool, recovery, schemas),
+                "problems": check_declaration(tool, recovery, schemas, self_inverse=True),
             }
         )
     errors = sum(p.severity == "error" for c in checked for p in c["problems"])

@@ -25,6 +25,7 @@ import redis
 from mcp_saga.cli.redis_server import resolve_redis
 from mcp_saga.schemas.config import Config, CoordinatorSettings, ServerConfig, WorkerSettings, write_config
 from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.results import result_text
 from mcp_saga.schemas.timeline import TimelineEntry
 from rich.console import Console
 from rich.table import Table
@@ -231,7 +232,7 @@ async def baseline(urls: dict[str, str]) -> str:
         for server, tool, arguments in SCENARIO:
             result = await clients[server].call_tool(tool, arguments)
             if result.is_error:
-                return " ".join(getattr(block, "text", "") for block in result.content)
+                return result_text(result)
     raise DemoFailed("the scenario's last step was supposed to fail")
 
 

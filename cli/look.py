@@ -15,10 +15,11 @@ import msgspec
 from mcp_saga.cli import render
 from mcp_saga.cli.args import CliError, Ops, add_command, positive, with_redis
 from mcp_saga.runtime import operators
-from mcp_saga.runtime.reader import WorkflowSnapshot, result_text, state_fields
+from mcp_saga.runtime.reader import WorkflowSnapshot, state_fields
 from mcp_saga.runtime.redis_checks import inspect_redis
 from mcp_saga.schemas.keys import STATUSES
 from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
+from mcp_saga.schemas.results import result_summary
 from mcp_saga.schemas.timeline import Outcome, TimelineEntry
 
 
@@ -107,7 +108,7 @@ def _step_row(n: int, step: Any) -> tuple[Any, ...]:
         step.get("step"),
         step.get("server"),
         step.get("tool"),
-        render.text(result_text(step.get("result")), 60),
+        render.text(result_summary(step.get("result")), 60),
         operation.get("operationId") if isinstance(operation, dict) else "",
         render.when(completed) if isinstance(completed, int | float) else completed,
     )

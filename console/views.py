@@ -12,9 +12,10 @@ from datetime import datetime
 from typing import Any
 
 import msgspec
-from mcp_saga.runtime.reader import Fleet, WorkflowSnapshot, result_text
+from mcp_saga.runtime.reader import Fleet, WorkflowSnapshot
 from mcp_saga.schemas.operators import COMMANDS, operator_refusal
 from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
+from mcp_saga.schemas.results import result_summary
 from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 
 # Timeline entries that end one compensation attempt (the worker's report, with its duration).
@@ -94,7 +95,7 @@ def workflow_page(snapshot: WorkflowSnapshot) -> dict[str, Any]:
             "server": s.get("server"),
             "tool": s.get("tool"),
             "arguments": pretty(s.get("arguments")),
-            "result": _cut(result_text(s.get("result")), 400),
+            "result": _cut(result_summary(s.get("result")), 400),
             "completed": when(s.get("completedAt")) or str(s.get("completedAt") or ""),
         }
         if isinstance(s, dict)

@@ -256,7 +256,7 @@ class Machine:
         repairs: tuple[str, ...] = (),
     ) -> tuple[Compensation, list[TimelineEntry]]:
         """A step's compensation plan and the timeline entries that record it (also for the fast path)."""
-        plan = plan_step(workflow, data, seq, self.config.overlay(data.server, data.tool), now)
+        plan = plan_step(workflow, data, seq, self.config.overlay(data.server, data.tool), now, self.config.policy)
         comp = plan.compensation
         comp.late = late
         comp.event_id = event_id

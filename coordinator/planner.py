@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
+from mcp_saga.schemas.config import Policy
 from mcp_saga.schemas.events import StepCompleted
 from mcp_saga.schemas.expressions import UnresolvableError, resolve_parameters
 from mcp_saga.schemas.records import Compensation, idempotency_key
@@ -26,7 +27,9 @@ class Plan:
     notes: tuple[str, ...] = ()
 
 
-def plan_step(workflow: str, step: StepCompleted, seq: int, overlay: Recovery | None, now: float) -> Plan:
+def plan_step(
+    workflow: str, step: StepCompleted, seq: int, overlay: Recovery | None, now: float, policy: Policy | None = None
+) -> Plan:
     notes: list[str] = []
     declared: Recovery | None = None
     problem: str | None = None
@@ -59,11 +62,9 @@ def plan_step(workflow: str, step: StepCompleted, seq: int, overlay: Recovery | 
     assert operation is not None  # unsupported_reason() covers the None case
     base.operation_id = operation.operation_id
     base.source = source  # type: ignore[assignment]
-    if operation.operation_id == step.tool:
-        return Plan(
-            _mark(base, "unrecoverable", f"the compensation would call the original tool {step.tool!r} again", source),
-            tuple(notes),
-        )
+    refusal = (policy or Policy()).self_inverse_refusal(step.server, step.tool, operation.operation_id, source)
+    if refusal is not None:
+        return Plan(_mark(base, "unrecoverable", refusal, source), tuple(notes))
     try:
         base.arguments = resolve_parameters(operation.parameters, arguments=step.arguments, result=step.result)
     except UnresolvableError as exc:

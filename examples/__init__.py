@@ -1,4 +1,4 @@
-"""Demo MCP servers for SEP-3172's reference scenario, each runnable as `python -m examples.<name>`."""
+"""Demo MCP servers for SEP-3172's reference scenario, each runnable as `python -m mcp_saga.examples.<name>`."""
 
 # Module paths rather than modules, so that naming the servers does not import the MCP SDK.
 SERVERS: dict[str, str] = {

@@ -74,12 +74,16 @@ class Faults:
 
     rate: float = 0.0
     first: int = 0
+    # Seconds a compensating call of the trivial server takes: a slow server, or with a huge
+    # value one that never answers (the "hung server" of the isolation and watchdog tests).
+    delay: float = 0.0
 
     @classmethod
-    def from_env(cls, rate: float | None = None, first: int | None = None) -> Faults:
+    def from_env(cls, rate: float | None = None, first: int | None = None, delay: float | None = None) -> Faults:
         return cls(
             rate=float(os.environ.get(FAIL_RATE_ENV, 0)) if rate is None else rate,
             first=int(os.environ.get(FAIL_FIRST_ENV, 0)) if first is None else first,
+            delay=delay or 0.0,
         )
 
     def check(self, tool: str, call_number: int) -> None:

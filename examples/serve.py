@@ -1,7 +1,7 @@
 """The command line every example server shares, so the demo, tests and config start them alike.
 
     python -m examples.<server> [--http PORT] [--host 127.0.0.1] [--db PATH]
-                                [--fail-rate X] [--fail-first N]
+                                [--fail-rate X] [--fail-first N] [--delay S]
 
 Without `--http` the server speaks stdio; with it, streamable HTTP at `http://HOST:PORT/mcp`.
 """
@@ -28,8 +28,9 @@ def parse_args(server: str, argv: Sequence[str] | None = None) -> argparse.Names
         "--fail-rate", type=float, metavar="X", help="share of compensating calls that fail transiently"
     )
     parser.add_argument("--fail-first", type=int, metavar="N", help="the first N calls of each compensating tool fail")
+    parser.add_argument("--delay", type=float, metavar="S", help="seconds each compensating call takes (trivial)")
     args = parser.parse_args(argv)
-    args.faults = Faults.from_env(args.fail_rate, args.fail_first)
+    args.faults = Faults.from_env(args.fail_rate, args.fail_first, args.delay)
     if not 0 <= args.faults.rate <= 1 or args.faults.first < 0:
         parser.error("--fail-rate must be within 0..1 and --fail-first at least 0")
     return args

@@ -1,7 +1,8 @@
 """A server whose tools do nothing, so benchmarks measure the saga machinery and MCP alone.
 
-Same command line as the other examples; `--db` is accepted and ignored (there is no state), and
-`--fail-first` counts per process, in memory. With `SAGA_TRIVIAL_ARRIVALS=PATH`, each `noop_undo`
+Same command line as the other examples; `--db` is accepted and ignored (there is no state),
+`--fail-first` counts per process, in memory, and `--delay S` makes each `noop_undo` take S
+seconds (a slow server; a hung one with a huge S). With `SAGA_TRIVIAL_ARRIVALS=PATH`, each `noop_undo`
 appends "<unix time> <n>" to PATH when it arrives, so the latency benchmark can see when a
 compensation reached the server (same machine, same clock).
 """
@@ -14,6 +15,7 @@ import sys
 import time
 from collections import defaultdict
 
+import anyio
 from mcp.server.mcpserver import MCPServer
 from mcp_saga.examples.ledger import Faults
 from mcp_saga.examples.serve import new_app, parse_args, run
@@ -26,6 +28,11 @@ NAME = "trivial"
 
 class Noop(BaseModel):
     n: int
+
+
+class Big(BaseModel):
+    n: int
+    data: str
 
 
 class NoopUndo(BaseModel):
@@ -45,12 +52,19 @@ def build(faults: Faults | None = None) -> MCPServer:
         """Return `n`."""
         return Noop(n=n)
 
+    @recoverable_tool(app, compensation("noop_undo", n="$response.body#/n"))
+    def big(n: int, size: int) -> Big:
+        """Return `n` with `size` bytes of data: a result far over the 256 KiB event cap."""
+        return Big(n=n, data="x" * size)
+
     @app.tool(annotations=ToolAnnotations(idempotentHint=True))
-    def noop_undo(n: int, idempotencyKey: str | None = None) -> NoopUndo:
-        """Pretend to undo `noop(n)`."""
+    async def noop_undo(n: int, idempotencyKey: str | None = None) -> NoopUndo:
+        """Pretend to undo `noop(n)`, taking `--delay` seconds (an async sleep: other calls go on)."""
         if arrivals is not None:
             arrivals.write(f"{time.time():.6f} {n}\n")
         faults.check("noop_undo", next(calls["noop_undo"]))
+        if faults.delay:
+            await anyio.sleep(faults.delay)
         return NoopUndo(n=n)
 
     return app

@@ -32,6 +32,7 @@ from mcp_saga.schemas.events import (
     check_step_id,
     check_workflow_id,
 )
+from mcp_saga.schemas.results import result_text as _text_of
 from redis import Redis as SyncRedis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
@@ -71,8 +72,7 @@ def _declarations(client: Any) -> asyncio.Future[dict[str, ToolDeclaration]]:
 
 def result_text(result: CallToolResult) -> str:
     """What a failed call said, for the exception and `failedStep.error`."""
-    texts = [getattr(block, "text", "") for block in result.content]
-    return " ".join(t for t in texts if t) or "the tool reported an error (isError: true) without a message"
+    return _text_of(result) or "the tool reported an error (isError: true) without a message"
 
 
 class ToolCallFailed(Exception):
@@ -226,10 +226,11 @@ class Workflow:
         `step` defaults to `"{n}-{tool}"`. Extra keyword arguments go to `Client.call_tool`
         (`read_timeout_seconds`, `meta`, ...). Raises `ToolCallFailed` for `isError: true`; a
         transport or protocol error propagates as is. Either way nothing is published for the call,
-        and the block's exit names it as the failed step. A step whose event cannot be written still
-        counts in `stepsCompleted`, so the coordinator flags it: over the size cap even without its
-        text mirror, this raises ValueError; a Redis error surfaces as `StepNotRecorded` from the
-        next call (before its tool runs), `flush()`, or the block's exit.
+        and the block's exit names it as the failed step. A result over the event cap is returned
+        whole; its event keeps what the recovery binds (`fit_step`). A step whose event cannot be
+        written still counts in `stepsCompleted`, so the coordinator flags it: a Redis error
+        surfaces as `StepNotRecorded` from the next call (before its tool runs), `flush()`, or the
+        block's exit.
         """
         if self._state != "open":
             raise RuntimeError(f"workflow {self.id!r} is {self._state}: call inside `async with`")
@@ -291,6 +292,7 @@ class Workflow:
             annotations = {k: v for k, v in declaration.annotations.items() if k != "recovery"} or None
         recovery = self._overlay(server, tool) or recovery
         wire = result.model_dump(by_alias=True, mode="json", exclude_none=True)
+        # The agent keeps the whole result; over the cap, the event keeps what undoing needs (fit_step).
         self._write(step, step_entry(self.id, step, server, tool, arguments, wire, recovery, annotations, trace))
 
     def _write(self, step: str, fields: dict[bytes, bytes]) -> None:

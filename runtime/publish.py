@@ -9,10 +9,13 @@ how they await the one XADD each event costs.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
+import msgspec
 from mcp_saga.schemas.events import (
     MAX_DATA_BYTES,
     TEXT_MAX,
@@ -25,14 +28,24 @@ from mcp_saga.schemas.events import (
     decode_entry,
     encode_payload,
 )
+from mcp_saga.schemas.expressions import (
+    CUT_META_KEY,
+    ExpressionError,
+    UnresolvableError,
+    keep_only,
+    referenced_pointers,
+    response_body,
+)
 from mcp_saga.schemas.keys import Keys
-from mcp_saga.schemas.recovery import Recovery
+from mcp_saga.schemas.pointer import format_pointer
+from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 from pydantic import BaseModel
 
 if TYPE_CHECKING:
     import redis
     import redis.asyncio
 
+log = logging.getLogger(__name__)
 OnFailure = Literal["halt", "continue"]
 
 
@@ -80,6 +93,89 @@ def step_completed(
     )
 
 
+def fit_step(payload: StepCompleted) -> tuple[StepCompleted, str | None]:
+    """The step as it can be recorded within the event cap, and what was left out (None: nothing).
+
+    A tool result can be far larger than an event may be (a 1 MB report), but undoing the step
+    needs only what its recovery binds. So an oversized step is cut, in this order, until it fits:
+    the text mirror of `structuredContent` goes; then the result is cut to the pointers the
+    recovery reads (`keep_only`); then the arguments too. What is left carries a marker under
+    `_meta[CUT_META_KEY]`. If even the bound values do not fit, they go as well and the step is
+    recorded without them: the coordinator finds the bindings unresolvable and the workflow's
+    attention names the step, the tool and the cut, instead of a step nobody knows about.
+    """
+    try:
+        size = len(encode_payload(payload))
+    except TypeError:  # not JSON at all: `checked_entry` refuses it with the reason
+        return payload, None
+    if size <= MAX_DATA_BYTES:
+        return payload, None
+    result = payload.result
+    where = f"step {payload.step!r} ({payload.server}:{payload.tool})"
+    over = f"{where}: the call's record is {size} bytes, over the {MAX_DATA_BYTES}-byte cap of an event"
+    marker: dict[str, Any] = {"bytes": size, "cap": MAX_DATA_BYTES, "tool": payload.tool, "complete": True}
+    if result.get("structuredContent") is not None and "content" in result:
+        marker["kept"] = ["structuredContent"]
+        mirror_dropped = {k: v for k, v in result.items() if k != "content"}
+        candidate = _with_marker(payload, mirror_dropped, payload.arguments, marker)
+        if _fits(candidate):
+            return candidate, f"{over}; recorded without the text mirror of its structuredContent"
+    body, headers, inputs = _bound_pointers(payload.recovery)
+    marker["kept"] = [f"$response.body#{format_pointer(t)}" for t in body] + [f"$response.header.{h}" for h in headers]
+    marker["kept"] += [f"$request.body#{format_pointer(t)}" for t in inputs]
+    cut: dict[str, Any] = {"isError": bool(result.get("isError", False))}
+    meta = result.get("_meta")
+    if isinstance(meta, dict):
+        cut["_meta"] = {key: meta[key] for key in headers if key in meta}
+    if body:  # a body that is unresolvable whole stays so cut; the coordinator says why when it plans
+        with contextlib.suppress(UnresolvableError):
+            cut["structuredContent"] = keep_only(response_body(result), body)
+    kept = ", ".join(marker["kept"]) or "nothing"
+    candidate = _with_marker(payload, cut, payload.arguments, marker)
+    if _fits(candidate):
+        return candidate, f"{over}; recorded with only what its recovery binds ({kept})"
+    marker["argumentsCut"] = True
+    candidate = _with_marker(payload, cut, keep_only(payload.arguments, inputs) or {}, marker)
+    if _fits(candidate):
+        return candidate, f"{over}; recorded with only what its recovery binds ({kept}), arguments included"
+    marker.update(complete=False, kept=[])
+    candidate = _with_marker(payload, {"isError": cut["isError"]}, {}, marker)
+    return candidate, f"{over}; even what its recovery binds ({kept}) does not fit, so it cannot be undone"
+
+
+def _bound_pointers(
+    recovery: dict[str, Any] | None,
+) -> tuple[list[tuple[str, ...]], list[str], list[tuple[str, ...]]]:
+    """What a declaration reads: body pointers, `_meta` keys, argument pointers (none if invalid)."""
+    try:
+        operation = parse_recovery(recovery).compensating_operation if recovery is not None else None
+        found = referenced_pointers(operation.parameters) if operation is not None else []
+    except (RecoveryError, ExpressionError):
+        found = []
+    body = [tokens for _, kind, tokens in found if kind == "response.body"]
+    headers = [tokens[0] for _, kind, tokens in found if kind == "response.header"]
+    inputs = [tokens for _, kind, tokens in found if kind == "request.body"]
+    return body, headers, inputs
+
+
+def _with_marker(
+    payload: StepCompleted, result: dict[str, Any], arguments: dict[str, Any], marker: dict[str, Any]
+) -> StepCompleted:
+    meta = {**(result.get("_meta") or {}), CUT_META_KEY: dict(marker)}
+    return msgspec.structs.replace(payload, result={**result, "_meta": meta}, arguments=arguments)
+
+
+def _fits(payload: StepCompleted) -> bool:
+    return len(encode_payload(payload)) <= MAX_DATA_BYTES
+
+
+def _fitted(payload: StepCompleted) -> StepCompleted:
+    payload, cut = fit_step(payload)
+    if cut is not None:
+        log.warning(cut)
+    return payload
+
+
 def workflow_failed(
     reason: str = "",
     failed_step: FailedStep | Mapping[str, Any] | None = None,
@@ -124,18 +220,13 @@ def step_entry(
     annotations: Mapping[str, Any] | None = None,
     trace: TraceContext | None = None,
 ) -> dict[bytes, bytes]:
-    """The checked entry of a step-completed, without the text mirror of `structuredContent` if that
-    is what puts it over the size cap (bindings read `structuredContent`); ValueError if still too big."""
+    """The checked entry of a step-completed; one over the size cap is cut down by `fit_step` to
+    what its recovery binds, with a marker, and the cut is logged (the caller keeps its result)."""
     payload = step_completed(step, server, tool, arguments, result, recovery, annotations, trace=trace)
-    try:
-        return checked_entry(workflow, payload)
-    except ValueError:
-        oversize = len(encode_payload(payload)) > MAX_DATA_BYTES
-        if not oversize or "structuredContent" not in result or "content" not in result:
-            raise
-        lean = {k: v for k, v in result.items() if k != "content"}
-        lean_payload = step_completed(step, server, tool, arguments, lean, recovery, annotations, trace=trace)
-        return checked_entry(workflow, lean_payload)
+    payload, cut = fit_step(payload)
+    if cut is not None:
+        log.warning("workflow %r: %s", workflow, cut)
+    return checked_entry(workflow, payload)
 
 
 def _encode(payload: Payload) -> bytes:
@@ -172,8 +263,11 @@ class Publisher(_Base):
         annotations: Mapping[str, Any] | None = None,
         completed_at: str | float | None = None,
     ) -> str:
-        """Record a tool call that succeeded; `recovery` is what the tool declared (or an overlay), None if nothing."""
-        payload = step_completed(step, server, tool, arguments, result, recovery, annotations, completed_at)
+        """Record a tool call that succeeded; `recovery` is what the tool declared (or an overlay), None if nothing.
+
+        An oversized call is recorded cut down to what its recovery binds (`fit_step`), not refused.
+        """
+        payload = _fitted(step_completed(step, server, tool, arguments, result, recovery, annotations, completed_at))
         return self.publish(workflow, payload)
 
     def workflow_failed(
@@ -213,7 +307,7 @@ class AsyncPublisher(_Base):
         annotations: Mapping[str, Any] | None = None,
         completed_at: str | float | None = None,
     ) -> str:
-        payload = step_completed(step, server, tool, arguments, result, recovery, annotations, completed_at)
+        payload = _fitted(step_completed(step, server, tool, arguments, result, recovery, annotations, completed_at))
         return await self.publish(workflow, payload)
 
     async def workflow_failed(

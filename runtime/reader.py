@@ -243,28 +243,6 @@ class Reader:
         return [DeadLetter.from_fields(i, f) for i, f in self.redis.xrevrange(self.keys.dead_letter, count=limit)]
 
 
-def result_text(result: Any) -> str:
-    """The part of a CallToolResult a person looks for: its structured body, else its text blocks.
-
-    Whole (each view cuts it to its own width); a structured body as compact JSON.
-    """
-    if not isinstance(result, dict):
-        return _compact(result)
-    body = result.get("structuredContent")
-    if body is None:
-        blocks = result.get("content") if isinstance(result.get("content"), list) else []
-        body = " ".join(str(b.get("text", "")) for b in blocks if isinstance(b, dict) and b.get("type") == "text")
-    return ("error: " if result.get("isError") else "") + _compact(body)
-
-
-def _compact(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
-
-
 def text_of(value: str | bytes) -> str:
     """A name redis-py returns as bytes or str (depending on the reply), as text."""
     return value.decode(errors="replace") if isinstance(value, bytes) else value

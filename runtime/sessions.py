@@ -17,7 +17,7 @@ import contextlib
 import importlib.metadata
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,6 +35,8 @@ from mcp_types import CONNECTION_CLOSED, INVALID_PARAMS, INVALID_REQUEST, METHOD
 log = get_logger("sessions")
 T = TypeVar("T")
 
+# Seconds a server's places may all be held before it counts as stuck rather than busy (`slot`).
+SLOT_PATIENCE = 2.0
 # A streamable HTTP response may be an SSE stream the server holds open while the tool runs.
 HTTP_READ_TIMEOUT = 300.0
 
@@ -284,7 +286,7 @@ class AsyncSessions:
         try:
             return await asyncio.wait_for(request.future, timeout)
         except TimeoutError:
-            raise CallTimeout(f"{owner.name}: no answer within {timeout:g}s") from None
+            raise CallTimeout(f"{owner.name}: no answer within {timeout:g} s") from None
 
     async def tools(self, server: str, refresh: bool = False) -> dict[str, ToolDeclaration]:
         """The server's live `tools/list`, recovery declarations included, cached `tools_ttl` seconds."""
@@ -323,9 +325,13 @@ class SessionPool:
     and a fork should not copy a running event loop).
     """
 
-    def __init__(self, servers: dict[str, ServerConfig], *, tools_ttl: float = 30.0):
+    def __init__(self, servers: dict[str, ServerConfig], *, tools_ttl: float = 30.0, per_server: int | None = None):
         self.servers = dict(servers)
         self.tools_ttl = tools_ttl
+        self.per_server = per_server
+        # When each caller holding a server's places took it (SessionPool.slot).
+        self._holders: dict[str, list[float]] = {}
+        self._slots = threading.Condition()
         self._sessions = AsyncSessions(servers, tools_ttl=tools_ttl)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -348,6 +354,36 @@ class SessionPool:
             return result.model_dump(by_alias=True, mode="json", exclude_none=True)
 
         return self._submit(server, call, timeout)
+
+    @contextlib.contextmanager
+    def slot(self, server: str) -> Iterator[bool]:
+        """Claim one of the `per_server` places a server may hold; yields False when none comes free.
+
+        The pool's own calls never wait on each other (one task per call on one loop); what a hung
+        server can exhaust is the callers' threads, so the caller that gets False should not call.
+        A server at its limit whose places were all taken less than SLOT_PATIENCE seconds ago is
+        busy, not stuck (fast calls, or a session still connecting at start-up): the caller waits
+        for a place, until the oldest holder has held it SLOT_PATIENCE seconds. After that the
+        server counts as stuck and the answer is an immediate False.
+        """
+        since = time.monotonic()
+        with self._slots:
+            holders = self._holders.setdefault(server, [])
+            while self.per_server is not None and len(holders) >= self.per_server:
+                remaining = min(holders) + SLOT_PATIENCE - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._slots.wait(remaining)
+            free = self.per_server is None or len(holders) < self.per_server
+            if free:
+                holders.append(since)
+        try:
+            yield free
+        finally:
+            if free:
+                with self._slots:
+                    holders.remove(since)
+                    self._slots.notify()
 
     def tools(self, server: str, *, refresh: bool = False) -> dict[str, ToolDeclaration]:
         """The server's live `tools/list`, recovery declarations included, cached `tools_ttl` seconds."""

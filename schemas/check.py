@@ -12,6 +12,11 @@ passes when any branch can hold it); non-local `$ref`s and unconstrained schemas
 A missing response field only makes recovery unavailable at run time, but an argument the
 compensating tool does not declare would be sent and most likely ignored, so a bound input that
 is not among the tool's `properties` is an error even when `additionalProperties` would allow it.
+
+Types are checked the same lenient way: a binding is an error only when what it yields (a
+constant's type, a template's string, an array or object, or what the original tool's schema says
+lies at its pointer; `*` yields an array) can never be of a type the compensating tool declares
+for that input, e.g. one name bound where `delete_entities` takes `entityNames` as an array.
 """
 
 from __future__ import annotations
@@ -21,8 +26,17 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import msgspec
-from mcp_saga.schemas.expressions import referenced_pointers
-from mcp_saga.schemas.pointer import PointerError, format_pointer, parse_pointer, resolve_pointer
+from mcp_saga.schemas.expressions import (
+    Binding,
+    Constant,
+    Expression,
+    ExpressionError,
+    Structure,
+    Template,
+    parse_value,
+    referenced_pointers,
+)
+from mcp_saga.schemas.pointer import WILDCARD, PointerError, format_pointer, parse_pointer, resolve_pointer
 from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 
 Severity = Literal["error", "warning"]
@@ -53,8 +67,14 @@ class Problem(msgspec.Struct, frozen=True):
 
 
 def check_declaration(
-    tool: str, recovery: dict[str, Any] | Recovery, tools: Mapping[str, ToolSchemas]
+    tool: str,
+    recovery: dict[str, Any] | Recovery,
+    tools: Mapping[str, ToolSchemas],
+    *,
+    self_inverse: bool = False,
 ) -> list[Problem]:
+    """`self_inverse`: whether this declaration may name `tool` itself (an operator overlay, or a
+    server's declaration the policy consents to; see `Policy.self_inverse_refusal`)."""
     try:
         declared = parse_recovery(recovery)
     except RecoveryError as exc:
@@ -69,8 +89,12 @@ def check_declaration(
     def report(field: str, message: str, severity: Severity = "error") -> None:
         problems.append(Problem(tool, field, message, severity))
 
-    if op.operation_id == tool:
-        report("compensatingOperation.operationId", f"names {tool!r} itself: compensating would call it again")
+    if op.operation_id == tool and not self_inverse:
+        report(
+            "compensatingOperation.operationId",
+            f"names {tool!r} itself: compensating would call it again (allowed in an overlay, or for a"
+            " server's declaration with [policy] self_inverse)",
+        )
     elif op.operation_id not in tools:
         report("compensatingOperation.operationId", f"the server does not list a tool {op.operation_id!r}")
 
@@ -83,7 +107,106 @@ def check_declaration(
     target = tools.get(op.operation_id)
     if target is not None and isinstance(target.input_schema, dict):
         _check_inputs(op.operation_id, op.parameters, target.input_schema, report)
+        _check_types(op.operation_id, op.parameters, original, target.input_schema, report)
     return problems
+
+
+def _check_types(
+    operation: str,
+    parameters: dict[str, Any],
+    original: ToolSchemas | None,
+    schema: dict[str, Any],
+    report: Callable[..., None],
+) -> None:
+    for name, raw in parameters.items():
+        try:
+            bound = _yields(parse_value(raw), original)
+        except ExpressionError:
+            continue  # already reported by the declaration's own validation
+        accepted = _input_types(schema, name)
+        if bound is None or accepted is None or any(_compatible(kind, accepted) for kind in bound):
+            continue
+        report(
+            f"compensatingOperation.parameters.{name}",
+            f"binds {_describe(bound)}, but {operation!r} takes {name!r} as {_describe(accepted)}",
+        )
+
+
+def _input_types(schema: dict[str, Any], name: str) -> set[str] | None:
+    """The types an input schema declares for one of its properties; None when open."""
+    children = []
+    for alt in _alternatives(schema, schema):
+        if alt is True:
+            return None
+        status, child = _property(alt, name)
+        if status == "ok":
+            children.append(child)
+    return _types_of(children, schema)
+
+
+def _yields(binding: Binding, original: ToolSchemas | None) -> set[str] | None:
+    """The JSON types a binding can resolve to; None when that cannot be known here."""
+    if isinstance(binding, Constant):
+        return {_schema_type(binding.value)}
+    if isinstance(binding, Template):
+        return {"string"}
+    if isinstance(binding, Structure):
+        return {"array" if binding.keys is None else "object"}
+    assert isinstance(binding, Expression)
+    if WILDCARD in binding.pointer:
+        return {"array"}
+    if original is None or binding.kind == "response.header":
+        return None
+    root = original.output_schema if binding.kind == "response.body" else original.input_schema
+    if not isinstance(root, dict):
+        return None
+    current: list[Any] = [root]
+    for token in binding.pointer:
+        children = []
+        for candidate in current:
+            for alt in _alternatives(candidate, root):
+                if alt is True:
+                    return None
+                status, child = _step(alt, token)
+                if status == "ok":
+                    children.append(child)
+        current = children
+    return _types_of(current, root)
+
+
+def _types_of(schemas: list[Any], root: Any) -> set[str] | None:
+    """The union of the declared types of some schemas; None if any of them allows any type."""
+    found: set[str] = set()
+    for schema in schemas:
+        for alt in _alternatives(schema, root):
+            types = None if alt is True else _types(alt)
+            if types is None:
+                return None
+            found |= types
+    return found or None
+
+
+def _compatible(kind: str, accepted: set[str]) -> bool:
+    numbers = {"integer", "number"}
+    return kind in accepted or (kind in numbers and bool(numbers & accepted))
+
+
+def _schema_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _describe(types: set[str]) -> str:
+    return " or ".join(("an " if t[0] in "aeiou" else "a ") + t for t in sorted(types))
 
 
 def _check_bindings(tool: str, parameters: dict[str, Any], schemas: ToolSchemas, report: Callable[..., None]) -> None:
@@ -249,6 +372,9 @@ def _property(schema: dict[str, Any], name: str) -> tuple[str, Any]:
 
 
 def _item(schema: dict[str, Any], token: str) -> tuple[str, Any]:
+    if token == WILDCARD:  # the projection reads every item: those after any tuple prefix
+        rest = schema.get("items")
+        return "ok", True if rest is None or isinstance(rest, list) else rest
     if not _INDEX.fullmatch(token):
         return "no", f"expects an array index, not {token!r},"
     index = int(token)

@@ -68,11 +68,29 @@ class Policy(_Strict):
 
     Precedence is deny, then approval, then auto; a pair no pattern names waits for approval,
     because a compensation nobody allowed is not one to run unattended.
+
+    `self_inverse` names the `server:tool` pairs whose *server* may declare the tool as its own
+    undo (the reference filesystem server's `move_file`, undone by `move_file` with the paths
+    swapped). Calling the original tool again is refused by default, since a server that
+    declares it by mistake would repeat the effect instead of undoing it; an operator overlay
+    needs no consent, as the operator wrote it.
     """
 
     auto: list[str] = Field(default_factory=lambda: ["*"])
     approval: list[str] = Field(default_factory=list)
     deny: list[str] = Field(default_factory=list)
+    self_inverse: list[str] = Field(default_factory=list)
+
+    def self_inverse_refusal(self, server: str, tool: str, operation: str, source: str | None) -> str | None:
+        """Why compensating `tool` with `operation` is refused as a self-inverse; None if it is not."""
+        if operation != tool or source == "overlay":
+            return None
+        if any(fnmatch.fnmatchcase(f"{server}:{tool}", p) for p in self.self_inverse):
+            return None
+        return (
+            f"the compensation would call the original tool {tool!r} again; if {server}:{tool} is its own"
+            f' inverse, declare it in an overlay or consent with [policy] self_inverse = ["{server}:{tool}"]'
+        )
 
     def decide(self, server: str, operation: str) -> Decision:
         target = f"{server}:{operation}"
@@ -112,9 +130,17 @@ class WorkerSettings(_Strict):
     backoff_base: float = Field(default=1.0, ge=0)
     backoff_max: float = Field(default=60.0, ge=0)
     jitter: float = Field(default=0.5, ge=0, le=1)
+    # Seconds a lease outlives a worker that stopped renewing it (it is renewed every third of this).
     lease: float = Field(default=60.0, gt=0)
+    # Slots of one process that may wait on one server (0: all but one, so a hung server never
+    # takes the last slot); a job over the limit is deferred, not run (see workers/job.py).
+    per_server: int = Field(default=0, ge=0, le=64)
     tools_ttl: float = Field(default=30.0, ge=0, description="seconds a server's tools/list is cached")
     job_timeout: int = Field(default=300, ge=1)
+
+    @property
+    def slots_per_server(self) -> int:
+        return min(self.per_server or max(1, self.concurrency - 1), self.concurrency)
 
 
 class ConsoleSettings(_Strict):
@@ -220,6 +246,25 @@ class Config(_Strict):
                 raise ValueError(f"server name {name!r} may hold only letters, digits, '-' and '_'")
         return servers
 
+    def refusals(self) -> list[tuple[str, str]]:
+        """(field path, why) for every setting that could only ever be refused at run time.
+
+        Not a denial in `policy.deny`: `deny = ["*"]` is the operator's emergency brake, and a
+        brake that stops the coordinator from starting would be no brake at all.
+        """
+        found = []
+        for name, server in self.servers.items():
+            for tool, recovery in server.recovery.items():
+                if (reason := recovery.unsupported_reason()) is not None:
+                    field = "strategy" if recovery.compensating_operation is not None else "compensatingOperation"
+                    found.append((f"servers.{name}.recovery.{tool}.{field}", f"{reason}: this overlay could never run"))
+        for i, pattern in enumerate(self.policy.self_inverse):
+            if ":" not in pattern:
+                found.append(
+                    (f"policy.self_inverse.{i}", f"{pattern!r} is not a server:tool pattern: it names nothing")
+                )
+        return found
+
     def overlay(self, server: str, tool: str) -> Recovery | None:
         """The operator's recovery declaration for a tool, if any."""
         entry = self.servers.get(server)
@@ -284,7 +329,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
 
 def parse_config(data: dict[str, Any], *, source: str = "config") -> Config:
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
@@ -294,6 +339,9 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> Config:
                 message = "unknown field"
             lines.append(f"{source}: {where}: {message}")
         raise ConfigError("\n".join(lines)) from None
+    if refusals := config.refusals():
+        raise ConfigError("\n".join(f"{source}: {where}: {why}" for where, why in refusals))
+    return config
 
 
 def dump_config(config: Config) -> str:

@@ -16,13 +16,22 @@ What each expression reads, given the original call's `arguments` and its CallTo
 the `$response` query/path forms) have no MCP counterpart and are rejected when parsed rather than
 resolved to something made up: a compensation must never run with invented arguments.
 
-A binding is one of three shapes. A string that starts with `$` must be one whole expression and
+Extension (ours, beside `$request.body`): a `*` token in a body pointer projects an array,
+`$response.body#/entities/*/name` is the list of every entity's name (`[]` for no entities), so a
+tool that creates many things can be undone by one call that takes their names. `*` is never a
+valid array index in RFC 6901, so no standard pointer changes meaning; on an object it stays the
+plain key `"*"`.
+
+A binding is one of four shapes. A string that starts with `$` must be one whole expression and
 keeps the JSON type of what it points to. A string containing `{$...}` is a template and always
 yields a string; each `{$` opens an expression that ends at the next `}` (so a pointer inside a
-template cannot address a key containing `}`), while any other `{` or `}` is literal. Everything
-else is a constant. There is no escape for a literal string starting with `$`: such a constant is
-far more likely to be a mistyped expression than a value, and silently sending the text would call
-the compensating tool with a wrong argument.
+template cannot address a key containing `}`), while any other `{` or `}` is literal. An array or
+object holding a binding anywhere inside (`["$response.body#/entities/0/name"]`,
+`{"id": "$request.body#/id"}`) is resolved member by member, at any depth, keeping its shape: a
+list sent verbatim with the expression text in it would make the tool undo nothing and answer
+success. Everything else is a constant. There is no escape for a literal string starting with
+`$`: such a constant is far more likely to be a mistyped expression than a value, and silently
+sending the text would call the compensating tool with a wrong argument.
 
 Resolving a parameter set is all or nothing: the SEP requires that an unresolvable binding makes
 recovery unavailable, never a call with partial or default arguments.
@@ -36,7 +45,8 @@ import re
 from typing import Any, Literal
 
 import msgspec
-from mcp_saga.schemas.pointer import PointerError, json_type, parse_pointer, resolve_pointer
+from mcp_saga.schemas.pointer import WILDCARD, PointerError, format_pointer, json_type, parse_pointer, resolve_pointer
+from mcp_saga.schemas.results import text_blocks
 
 Kind = Literal["response.body", "request.body", "response.header"]
 
@@ -46,6 +56,11 @@ _NO_COUNTERPART = {
     "$method": "MCP tool calls have no HTTP method (the operation is always tools/call)",
     "$statusCode": "MCP results have no status code (a result with isError true is never resolved)",
 }
+# Where a publisher that had to cut a step's result down to the event cap says so, in the stored
+# result's `_meta` (reverse-DNS, like our other keys): `bytes` (the original size), `cap`, `tool`,
+# `kept` (the pointers kept for the recovery's bindings), `complete` (whether they all fit) and
+# `argumentsCut` (whether the arguments had to be cut too).
+CUT_META_KEY = "io.github.mcp-saga/cut"
 _EXPECTED = "expected $response.body#/pointer, $request.body#/pointer or $response.header.<name>"
 
 
@@ -92,17 +107,36 @@ class Template(msgspec.Struct, frozen=True):
     parts: tuple[str | Expression, ...]
 
 
-Binding = Constant | Expression | Template
+class Structure(msgspec.Struct, frozen=True):
+    """An array (`keys` None) or object with a binding somewhere inside, resolved member by member."""
+
+    members: tuple[Binding, ...]
+    keys: tuple[str, ...] | None = None
+
+
+Binding = Constant | Expression | Template | Structure
 
 
 def parse_value(value: Any) -> Binding:
-    """Parse one `parameters` value; non-string values are constants and are not searched for
-    expressions, as in OpenAPI's Link object."""
-    if isinstance(value, Constant | Expression | Template):
+    """Parse one `parameters` value, looking inside arrays and objects at any depth.
+
+    An array or object without any expression inside stays one constant, exactly as declared.
+    """
+    if isinstance(value, Constant | Expression | Template | Structure):
         return value
-    if not isinstance(value, str):
+    if isinstance(value, str):
+        return _parse_text(value)
+    if isinstance(value, list | tuple):
+        members = tuple(parse_value(item) for item in value)
+        keys = None
+    elif isinstance(value, dict):
+        keys = tuple(value)
+        members = tuple(parse_value(item) for item in value.values())
+    else:
         return Constant(value)
-    return _parse_text(value)
+    if all(isinstance(member, Constant) for member in members):
+        return Constant(value)
+    return Structure(members, keys)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -170,9 +204,7 @@ def response_body(result: dict[str, Any]) -> Any:
         raise UnresolvableError("$response.body", "the call failed (isError is true)")
     if result.get("structuredContent") is not None:
         return result["structuredContent"]
-    content = result.get("content")
-    blocks = [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
-    texts = [b.get("text") for b in blocks if b.get("type") == "text"]
+    texts = text_blocks(result)
     if len(texts) != 1:
         found = "no text content block" if not texts else f"{len(texts)} text content blocks"
         raise UnresolvableError("$response.body", f"no structuredContent and {found} (need exactly one)")
@@ -187,6 +219,22 @@ def response_body(result: dict[str, Any]) -> Any:
 
 
 def _evaluate(expr: Expression, arguments: dict[str, Any], result: dict[str, Any]) -> Any:
+    try:
+        return _read(expr, arguments, result)
+    except UnresolvableError as exc:
+        meta = result.get("_meta") if isinstance(result, dict) else None
+        cut = meta.get(CUT_META_KEY) if isinstance(meta, dict) else None
+        if not isinstance(cut, dict) or (expr.kind == "request.body" and not cut.get("argumentsCut")):
+            raise
+        kept = ", ".join(str(p) for p in cut.get("kept") or ()) or "nothing"
+        raise UnresolvableError(
+            expr.source,
+            f"{exc.reason}; the recorded step of {cut.get('tool')!r} was cut from {cut.get('bytes')} bytes to fit"
+            f" the {cut.get('cap')}-byte event cap (kept: {kept})",
+        ) from None
+
+
+def _read(expr: Expression, arguments: dict[str, Any], result: dict[str, Any]) -> Any:
     if expr.kind == "response.header":
         meta = result.get("_meta") if isinstance(result, dict) else None
         if not isinstance(meta, dict):
@@ -202,9 +250,28 @@ def _evaluate(expr: Expression, arguments: dict[str, Any], result: dict[str, Any
         except UnresolvableError as exc:
             raise UnresolvableError(expr.source, exc.reason) from None
     try:
-        return resolve_pointer(doc, expr.pointer)
+        return select(doc, expr.pointer)
     except PointerError as exc:
         raise UnresolvableError(expr.source, str(exc)) from None
+
+
+def select(doc: Any, tokens: tuple[str, ...], at: tuple[str, ...] = ()) -> Any:
+    """`resolve_pointer`, plus the `*` projection: every item of an array, in order."""
+    if WILDCARD not in tokens:
+        try:
+            return resolve_pointer(doc, tokens)
+        except PointerError as exc:
+            raise PointerError(exc.reason, format_pointer(at) + (exc.at or "")) from None
+    star = tokens.index(WILDCARD)
+    node = select(doc, tokens[:star], at)
+    here, rest = (*at, *tokens[:star]), tokens[star + 1 :]
+    if isinstance(node, dict):  # RFC 6901: on an object, "*" is just a key
+        if WILDCARD not in node:
+            raise PointerError(f"key {WILDCARD!r} missing", format_pointer((*here, WILDCARD)))
+        return select(node[WILDCARD], rest, (*here, WILDCARD))
+    if not isinstance(node, list):
+        raise PointerError(f"'*' projects an array, not {json_type(node)}", format_pointer((*here, WILDCARD)))
+    return [select(item, rest, (*here, str(i))) for i, item in enumerate(node)]
 
 
 def _render(value: Any) -> str:
@@ -221,6 +288,9 @@ def resolve_value(binding: Any, *, arguments: dict[str, Any], result: dict[str, 
         return binding.value
     if isinstance(binding, Expression):
         return _evaluate(binding, arguments, result)
+    if isinstance(binding, Structure):
+        values = [resolve_value(member, arguments=arguments, result=result) for member in binding.members]
+        return values if binding.keys is None else dict(zip(binding.keys, values, strict=True))
     return "".join(
         part if isinstance(part, str) else _render(_evaluate(part, arguments, result)) for part in binding.parts
     )
@@ -245,10 +315,60 @@ def referenced_pointers(parameters: dict[str, Any]) -> list[tuple[str, Kind, tup
     For `response.header` the single token is the `_meta` key."""
     found: list[tuple[str, Kind, tuple[str, ...]]] = []
     for name, raw in parameters.items():
-        binding = parse_value(raw)
-        parts = (binding,) if isinstance(binding, Expression) else getattr(binding, "parts", ())
-        for part in parts:
-            if isinstance(part, Expression):
-                tokens = (part.name or "",) if part.kind == "response.header" else part.pointer
-                found.append((name, part.kind, tokens))
+        for part in expressions_in(parse_value(raw)):
+            tokens = (part.name or "",) if part.kind == "response.header" else part.pointer
+            found.append((name, part.kind, tokens))
     return found
+
+
+def keep_only(doc: Any, pointers: list[tuple[str, ...]]) -> Any:
+    """`doc` cut down to what the pointers read (with `*`), in the same places: every pointer that
+    resolves against `doc` resolves to the same value against the result. An array keeps its
+    length up to the last index read, with null in the places nothing reads."""
+    mask: Any = None
+    for tokens in pointers:
+        mask = _merge(mask, _mask(tokens))
+    return _apply(doc, mask) if mask is not None else None
+
+
+def _mask(tokens: tuple[str, ...]) -> Any:
+    mask: Any = True
+    for token in reversed(tokens):
+        mask = {token: mask}
+    return mask
+
+
+def _merge(a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return b if a is None else a
+    if a is True or b is True:
+        return True
+    return {key: _merge(a.get(key), b.get(key)) for key in a.keys() | b.keys()}
+
+
+def _apply(node: Any, mask: Any) -> Any:
+    if mask is True:
+        return node
+    if isinstance(node, dict):
+        return {key: _apply(node[key], sub) for key, sub in mask.items() if key in node}
+    if isinstance(node, list):
+        every = mask.get(WILDCARD)
+        indices = {int(key): sub for key, sub in mask.items() if key.isdigit() and int(key) < len(node)}
+        if every is not None:
+            return [_apply(item, _merge(every, indices.get(i))) for i, item in enumerate(node)]
+        kept = [None] * (max(indices) + 1 if indices else 0)
+        for i, sub in indices.items():
+            kept[i] = _apply(node[i], sub)
+        return kept
+    return node
+
+
+def expressions_in(binding: Binding) -> list[Expression]:
+    """Every expression of a binding, however deep, in declaration order."""
+    if isinstance(binding, Expression):
+        return [binding]
+    if isinstance(binding, Template):
+        return [part for part in binding.parts if isinstance(part, Expression)]
+    if isinstance(binding, Structure):
+        return [expr for member in binding.members for expr in expressions_in(member)]
+    return []

@@ -16,6 +16,8 @@ from typing import Any
 # (nonexistent) element after the last one and never resolves.
 _INDEX = re.compile(r"0|[1-9][0-9]*")
 _BAD_TILDE = re.compile(r"~(?![01])")
+# The array projection of our runtime expressions (schemas/expressions.py): never an RFC 6901 index.
+WILDCARD = "*"
 
 
 class PointerError(ValueError):

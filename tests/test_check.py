@@ -98,7 +98,22 @@ def test_compensating_with_the_tool_itself_is_an_error() -> None:
     problems = check({"orderId": "$request.body#/orderId", "amount": -1}, operation="charge_payment")
     problem = only(problems)
     assert problem.field == "compensatingOperation.operationId"
-    assert problem.message == "names 'charge_payment' itself: compensating would call it again"
+    assert problem.message.startswith("names 'charge_payment' itself: compensating would call it again")
+
+
+def test_a_self_inverse_the_operator_or_the_policy_allows_is_not_an_error() -> None:
+    recovery = {
+        "strategy": "compensation",
+        "compensatingOperation": {
+            "operationId": "move_file",
+            "parameters": {"source": "$request.body#/destination", "destination": "$request.body#/source"},
+        },
+    }
+    schema = {"type": "object", "properties": {"source": {"type": "string"}, "destination": {"type": "string"}}}
+    tools = {"move_file": ToolSchemas(schema, None)}
+    assert check_declaration("move_file", recovery, tools, self_inverse=True) == []
+    [problem] = check_declaration("move_file", recovery, tools)
+    assert "[policy] self_inverse" in problem.message
 
 
 def test_an_unsupported_strategy_is_reported_and_nothing_else() -> None:
@@ -355,3 +370,82 @@ def test_malformed_schemas_from_a_server_do_not_crash_the_check(schema: dict[str
     tools = {"t": ToolSchemas(schema, schema), "undo": ToolSchemas(schema, None)}
     problems = check_declaration("t", declaration({"x": "$response.body#/0/y", "y": "$request.body#/a"}, "undo"), tools)
     assert all(isinstance(problem, Problem) for problem in problems)
+
+
+# Types of bindings against the compensating tool's inputs
+
+CREATE_OUTPUT = {
+    "type": "object",
+    "properties": {
+        "entities": {
+            "type": "array",
+            "items": {"type": "object", "properties": {"name": {"type": "string"}, "entityType": {"type": "string"}}},
+        }
+    },
+}
+DELETE_INPUT = {
+    "type": "object",
+    "properties": {"entityNames": {"type": "array", "items": {"type": "string"}}},
+    "required": ["entityNames"],
+}
+MEMORY = {
+    "create_entities": ToolSchemas({"type": "object"}, CREATE_OUTPUT),
+    "delete_entities": ToolSchemas(DELETE_INPUT),
+}
+
+
+def memory_recovery(binding: Any) -> dict[str, Any]:
+    return {
+        "strategy": "compensation",
+        "compensatingOperation": {"operationId": "delete_entities", "parameters": {"entityNames": binding}},
+    }
+
+
+def memory_problems(binding: Any) -> list[Problem]:
+    return check_declaration("create_entities", memory_recovery(binding), MEMORY)
+
+
+@pytest.mark.parametrize(
+    "binding",
+    ["$response.body#/entities/*/name", ["$response.body#/entities/0/name"], ["fixed"], "$response.body#/entities"],
+)
+def test_bindings_that_yield_an_array_match_an_array_input(binding: Any) -> None:
+    assert memory_problems(binding) == []
+
+
+@pytest.mark.parametrize(
+    ("binding", "yields"),
+    [
+        ("$response.body#/entities/0/name", "a string"),
+        ("{$response.body#/entities/0/name}", "a string"),
+        ({"name": "$response.body#/entities/0/name"}, "an object"),
+        (3, "an integer"),
+    ],
+)
+def test_a_binding_whose_type_cannot_match_the_input_is_an_error(binding: Any, yields: str) -> None:
+    [problem] = memory_problems(binding)
+    assert problem.field == "compensatingOperation.parameters.entityNames" and problem.severity == "error"
+    assert problem.message == f"binds {yields}, but 'delete_entities' takes 'entityNames' as an array"
+
+
+def test_types_that_cannot_be_known_are_not_reported() -> None:
+    unknown = {"create_entities": ToolSchemas({"type": "object"}, None), "delete_entities": ToolSchemas(DELETE_INPUT)}
+    recovery = {
+        "strategy": "compensation",
+        "compensatingOperation": {"operationId": "delete_entities", "parameters": {"entityNames": "$response.body#/x"}},
+    }
+    assert [p.severity for p in check_declaration("create_entities", recovery, unknown)] == ["warning"]  # no schema
+    open_input = {**MEMORY, "delete_entities": ToolSchemas({"type": "object", "properties": {"entityNames": {}}})}
+    assert check_declaration("create_entities", memory_recovery("$response.body#/entities/0/name"), open_input) == []
+
+
+def test_an_integer_binding_matches_a_number_input() -> None:
+    tools = {
+        "charge": ToolSchemas({"type": "object"}, {"type": "object", "properties": {"n": {"type": "integer"}}}),
+        "undo": ToolSchemas({"type": "object", "properties": {"n": {"type": "number"}}}),
+    }
+    recovery = {
+        "strategy": "compensation",
+        "compensatingOperation": {"operationId": "undo", "parameters": {"n": "$response.body#/n"}},
+    }
+    assert check_declaration("charge", recovery, tools) == []

@@ -11,15 +11,18 @@ from mcp_saga.schemas.expressions import (
     Constant,
     Expression,
     ExpressionError,
+    Structure,
     Template,
     UnresolvableError,
+    keep_only,
     parse_value,
     referenced_pointers,
     resolve_parameters,
     resolve_value,
     response_body,
+    select,
 )
-from mcp_saga.schemas.pointer import format_pointer
+from mcp_saga.schemas.pointer import PointerError, format_pointer
 
 # The SEP's reference call: charge_payment returned this and is compensated by refund_payment.
 CHARGE_ARGUMENTS = {"orderId": "order-42", "amount": 59.97, "card": {"last4": "4242"}}
@@ -45,7 +48,7 @@ def resolve(binding: Any, result: dict[str, Any] = CHARGE_RESULT) -> Any:
 
 @pytest.mark.parametrize(
     "value",
-    [59.97, 3, 0, None, True, False, {"a": "$response.body#/x"}, ["$url"], "refund", "", "costs 5$", "a {b} c"],
+    [59.97, 3, 0, None, True, False, {"a": "b"}, ["x", {"y": [1]}], "refund", "", "costs 5$", "a {b} c"],
 )
 def test_non_expressions_are_constants(value: Any) -> None:
     assert parse_value(value) == Constant(value)
@@ -530,3 +533,93 @@ def test_referenced_pointers_lists_every_expression_with_its_parameter() -> None
 def test_referenced_pointers_rejects_unparsable_bindings() -> None:
     with pytest.raises(ExpressionError, match="no HTTP method"):
         referenced_pointers({"m": "$method"})
+
+
+# Bindings inside arrays and objects, and the `*` projection (our extension)
+
+MEMORY_BODY = {"entities": [{"name": "Ada", "entityType": "person"}, {"name": "Bob", "entityType": "person"}]}
+MEMORY_RESULT = {"content": [{"type": "text", "text": json.dumps(MEMORY_BODY)}]}
+
+
+def test_an_expression_inside_an_array_is_resolved() -> None:
+    assert resolve(["$response.body#/entities/0/name"], MEMORY_RESULT) == ["Ada"]
+
+
+def test_expressions_anywhere_inside_arrays_and_objects_are_resolved_keeping_the_shape() -> None:
+    declared = {"who": ["$response.body#/entities/1/name", {"type": "$response.body#/entities/0/entityType"}]}
+    declared["note"] = {"order": "{$request.body#/orderId} undone", "fixed": [1, None]}
+    assert resolve(declared, MEMORY_RESULT) == {
+        "who": ["Bob", {"type": "person"}],
+        "note": {"order": "order-42 undone", "fixed": [1, None]},
+    }
+    binding = parse_value(declared)
+    assert isinstance(binding, Structure) and binding.keys == ("who", "note")
+
+
+def test_an_unparsable_expression_inside_an_array_is_an_error_not_a_constant() -> None:
+    with pytest.raises(ExpressionError, match="no URL"):
+        parse_value(["$url"])
+
+
+def test_an_unresolvable_expression_inside_an_object_makes_the_whole_set_unresolvable() -> None:
+    with pytest.raises(UnresolvableError, match=r"parameter 'names'.*entities/5"):
+        resolve_parameters({"names": ["$response.body#/entities/5/name"]}, arguments={}, result=MEMORY_RESULT)
+
+
+def test_star_projects_every_item_of_an_array() -> None:
+    assert resolve("$response.body#/entities/*/name", MEMORY_RESULT) == ["Ada", "Bob"]
+    assert resolve("$response.body#/entities/*", MEMORY_RESULT) == MEMORY_BODY["entities"]
+    assert resolve("$response.body#/entities/*/name", text_result('{"entities": []}')) == []
+    assert resolve("$request.body#/card/last4") == "4242"
+
+
+def test_nested_stars_give_nested_lists() -> None:
+    body = {"orders": [{"items": [{"sku": "A"}, {"sku": "B"}]}, {"items": []}]}
+    assert resolve("$response.body#/orders/*/items/*/sku", text_result(json.dumps(body))) == [["A", "B"], []]
+
+
+def test_star_on_an_object_is_the_plain_key_as_in_rfc_6901() -> None:
+    assert resolve("$response.body#/*", text_result('{"*": 5}')) == 5
+
+
+def test_a_projection_fails_naming_the_item_that_lacks_the_field() -> None:
+    body = {"entities": [{"name": "Ada"}, {"entityType": "person"}]}
+    with pytest.raises(UnresolvableError, match="key 'name' missing at /entities/1/name"):
+        resolve("$response.body#/entities/*/name", text_result(json.dumps(body)))
+    with pytest.raises(UnresolvableError, match="'\\*' projects an array, not a string at /entities/0/name/\\*"):
+        resolve("$response.body#/entities/*/name/*", MEMORY_RESULT)
+
+
+def test_referenced_pointers_finds_expressions_inside_structures() -> None:
+    found = referenced_pointers({"names": ["$response.body#/entities/*/name", {"k": "$request.body#/id"}]})
+    assert found == [("names", "response.body", ("entities", "*", "name")), ("names", "request.body", ("id",))]
+
+
+# keep_only: a document cut to what some pointers read
+
+
+def test_keep_only_keeps_exactly_what_the_pointers_read() -> None:
+    doc = {"id": 1, "blob": "x" * 100, "rows": [{"k": 1, "pad": 0}, {"k": 2, "pad": 0}], "list": [5, 6, 7, 8]}
+    kept = keep_only(doc, [("id",), ("rows", "*", "k"), ("list", "2"), ("missing", "x")])
+    assert kept == {"id": 1, "rows": [{"k": 1}, {"k": 2}], "list": [None, None, 7]}
+    assert keep_only(doc, []) is None
+    assert keep_only(doc, [("rows",), ("rows", "0", "k")]) == {"rows": doc["rows"]}
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from("ab*"), inner, max_size=3),
+    max_leaves=12,
+)
+tokens = st.lists(st.sampled_from(["a", "b", "*", "0", "1"]), max_size=3).map(tuple)
+
+
+@given(json_values, st.lists(tokens, min_size=1, max_size=4))
+def test_every_pointer_reads_the_same_from_the_kept_document(doc: Any, pointers: list[tuple[str, ...]]) -> None:
+    kept = keep_only(doc, pointers)
+    for pointer in pointers:
+        try:
+            expected = select(doc, pointer)
+        except PointerError:
+            continue
+        assert select(kept, pointer) == expected

@@ -498,7 +498,7 @@ def test_check_reports_problems_per_tool_and_fails_on_errors(
     code = main(["check", "trivial", "--config", str(config), "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 1
-    assert report["tools"] == ["noop", "noop_undo"]
+    assert report["tools"] == ["big", "noop", "noop_undo"]
     checked = {(c["tool"], c["source"]): c["problems"] for c in report["checked"]}
     assert checked[("noop", "server (annotations)")] == []  # the server's own declaration is sound
     [problem] = [p for p in checked[("noop_undo", "overlay")] if p["severity"] == "error"]

@@ -22,9 +22,10 @@ from mcp.server.mcpserver import MCPServer
 from mcp_saga.coordinator.consumer import Coordinator
 from mcp_saga.examples import SERVERS
 from mcp_saga.examples.shipping import SIMULATED_FAILURE
-from mcp_saga.runtime.recovery_wire import compensation
+from mcp_saga.runtime.recovery_wire import compensation, recoverable_tool
 from mcp_saga.schemas.config import parse_config
 from mcp_saga.schemas.events import Event, FailedStep, StepCompleted, WorkflowCompleted, WorkflowFailed, decode_entry
+from mcp_saga.schemas.expressions import CUT_META_KEY
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.recovery import parse_recovery
 from mcp_types import CallToolResult, TextContent
@@ -280,8 +281,6 @@ async def test_invalid_entries_are_refused_before_anything_is_written(
     for bad in ["has space", "x" * 65, "", "a/b"]:
         with pytest.raises(ValueError, match="step"):
             sync.step_completed("wf", bad, "svc", "do", {}, result)
-    with pytest.raises(ValueError, match="cap"):
-        sync.step_completed("wf", "a", "svc", "do", {}, {"structuredContent": {"blob": "x" * 300_000}})
     with pytest.raises(ValueError, match=r"steps_completed|stepsCompleted"):
         sync.workflow_failed("wf", "r", steps_completed=-1)
     with pytest.raises(ValueError, match="not JSON"):
@@ -298,24 +297,30 @@ async def test_invalid_entries_are_refused_before_anything_is_written(
     assert [e.type for e in events(r)] == ["workflow-completed"]  # only the clean exit; nothing else was written
 
 
-async def test_a_result_over_the_cap_keeps_structured_content_or_is_counted_as_unrecorded(
+async def test_a_result_over_the_cap_is_returned_whole_and_recorded_with_what_its_recovery_binds(
     r: redis.Redis, ar: aioredis.Redis
 ) -> None:
-    """The text mirror goes first; a step that still cannot be recorded is counted, so the coordinator flags it."""
+    """The text mirror goes first; then the result is cut to the recovery's pointers, with a marker."""
     app = MCPServer("big", log_level="WARNING")
 
-    @app.tool()
-    def blob(size: int) -> dict[str, str]:
-        return {"blob": "x" * size}
+    @recoverable_tool(app, compensation("forget", id="$response.body#/id"))
+    def blob(size: int) -> dict[str, Any]:
+        return {"id": f"B-{size}", "blob": "x" * size}
 
-    async with Client(app) as client:
-        with pytest.raises(ValueError, match="cap"):
-            async with mcp_saga.workflow("order-big", redis=ar, servers={"big": client}) as wf:
-                await wf.call("big", "blob", {"size": 150_000})
-                await wf.call("big", "blob", {"size": 300_000})
-    step, failed = events(r)
-    assert step.data.result["structuredContent"]["blob"] == "x" * 150_000 and "content" not in step.data.result
-    assert failed.data.steps_completed == 2 and failed.data.failed_step is None
+    @app.tool()
+    def forget(id: str) -> str:
+        return id
+
+    async with Client(app) as client, mcp_saga.workflow("order-big", redis=ar, servers={"big": client}) as wf:
+        await wf.call("big", "blob", {"size": 150_000})
+        whole = await wf.call("big", "blob", {"size": 300_000})
+    assert whole.structured_content["blob"] == "x" * 300_000  # the agent gets its result
+    mirror, cut, done = events(r)
+    assert mirror.data.result["structuredContent"]["blob"] == "x" * 150_000 and "content" not in mirror.data.result
+    assert cut.data.result["structuredContent"] == {"id": "B-300000"}
+    marker = cut.data.result["_meta"][CUT_META_KEY]
+    assert marker["kept"] == ["$response.body#/id"] and marker["complete"] and marker["tool"] == "blob"
+    assert marker["bytes"] > 600_000 and done.type == "workflow-completed"
 
 
 async def test_a_step_that_could_not_be_written_refuses_the_next_call(

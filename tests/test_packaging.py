@@ -42,6 +42,7 @@ def test_the_wheel_installs_one_import_root(installed: Path) -> None:
     for part in parts:
         assert (installed / "mcp_saga" / part / "__init__.py").is_file(), part
     assert list((installed / "mcp_saga" / "coordinator" / "lua").glob("*.lua")), "Lua scripts are package data"
+    assert {p.name for p in (installed / "mcp_saga" / "workers" / "lua").glob("*.lua")} == {"release.lua", "renew.lua"}
     assert list((installed / "mcp_saga" / "schemas" / "json").glob("*.json")), "JSON Schemas are package data"
     console = installed / "mcp_saga" / "console"
     assert (console / "templates" / "workflow.html").is_file() and (console / "static" / "console.js").is_file()

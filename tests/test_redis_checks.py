@@ -16,7 +16,7 @@ import pytest
 import redis
 from mcp_saga.cli.redis_server import RedisServer, find_redis_server
 from mcp_saga.runtime.redis_checks import inspect_redis
-from mcp_saga.schemas.config import Config, RedisSettings, write_config
+from mcp_saga.schemas.config import Config, RedisSettings, ServerConfig, write_config
 from processes import REPO, saga_process, stop, wait_for
 
 
@@ -46,6 +46,9 @@ def test_an_evicting_policy_stops_the_coordinator_unless_allowed(private_redis: 
     assert refused.returncode == 2, refused.stderr
     assert "maxmemory-policy is 'allkeys-lru'" in refused.stderr and "allow_eviction" in refused.stderr
     assert not client.exists("saga:events"), "a refused coordinator creates nothing"
+    servers = write_config(Config(servers={"p": ServerConfig(url="http://127.0.0.1:9/mcp")}), tmp_path / "w.toml")
+    worker = _saga("worker", "--burst", url=private_redis.url, config=servers)
+    assert worker.returncode == 2 and "maxmemory-policy is 'allkeys-lru'" in worker.stderr, worker.stderr
 
     allowed = write_config(Config(redis=RedisSettings(allow_eviction=True)), tmp_path / "saga.toml")
     log = tmp_path / "coordinator.log"

@@ -7,8 +7,8 @@ The expected fields below are what the coordinator wrote before these became str
 from __future__ import annotations
 
 from mcp_saga.coordinator.machine import timeline_entry
-from mcp_saga.runtime.reader import result_text
 from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON
+from mcp_saga.schemas.results import result_summary
 from mcp_saga.schemas.timeline import OUTCOME_REASON_MAX, DeadLetter, Outcome, TimelineEntry
 
 
@@ -104,7 +104,7 @@ def test_a_dead_letter_keeps_the_refused_entry_byte_for_byte() -> None:
 
 def test_one_summary_of_a_tool_result_serves_the_cli_and_the_console() -> None:
     """`saga inspect` and the console show a step's result through this one function."""
-    assert result_text({"structuredContent": {"tx": "T-1"}, "content": []}) == '{"tx":"T-1"}'
+    assert result_summary({"structuredContent": {"tx": "T-1"}, "content": []}) == '{"tx":"T-1"}'
     text = {"content": [{"type": "text", "text": "no"}, {"type": "image"}, {"type": "text", "text": "carrier"}]}
-    assert result_text(text | {"isError": True}) == "error: no carrier"
-    assert result_text(None) == "" and result_text("plain") == "plain" and result_text([1]) == "[1]"
+    assert result_summary(text | {"isError": True}) == "error: no carrier"
+    assert result_summary(None) == "" and result_summary("plain") == "plain" and result_summary([1]) == "[1]"

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import redis
 from mcp_saga.runtime.sessions import CallTimeout, SessionPool, TransportError, UnknownServer
 from mcp_saga.schemas.config import ServerConfig
 from processes import REPO, free_port, start_http_server, stop, wait_until_accepting
@@ -212,3 +213,53 @@ class _Recorder:
         self.release.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+def test_rq_still_has_the_private_names_a_slot_worker_relies_on(redis_url: str) -> None:
+    """RQ is pinned because of these; a version that renames them must fail here, not in a worker."""
+    from mcp_saga.workers.process import SlotWorker
+    from rq import SimpleWorker
+
+    for name in ("_install_signal_handlers", "dequeue_job_and_maintain_ttl"):
+        assert callable(getattr(SimpleWorker, name, None)), name
+        assert name in vars(SlotWorker)  # overridden, so a slot never touches signals
+    assert "_stop_requested" in vars(SimpleWorker([], connection=redis.Redis.from_url(redis_url)))
+
+
+def test_a_server_gets_at_most_per_server_slots_and_others_are_unaffected() -> None:
+    nowhere = ServerConfig(url="http://127.0.0.1:1/mcp")  # nothing connects: slots are local bookkeeping
+    pool = SessionPool({"a": nowhere, "b": nowhere}, per_server=2)
+    with pool.slot("a") as first, pool.slot("a") as second:
+        with pool.slot("a") as third:
+            assert (first, second, third) == (True, True, False)
+        with pool.slot("b") as other:
+            assert other
+    with pool.slot("a") as again:
+        assert again  # released on the way out, also for the one that got none
+
+
+def test_a_busy_server_is_waited_for_and_a_stuck_one_is_not() -> None:
+    pool = SessionPool({"a": ServerConfig(url="http://127.0.0.1:1/mcp")}, per_server=1)
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool.slot("a"):
+            taken.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(5)
+    threading.Timer(0.2, release.set).start()  # a holder that lets go well within SLOT_PATIENCE
+    with pool.slot("a") as free:
+        assert free  # waited for the place instead of giving up
+    holder.join()
+    taken.clear()
+    release.clear()
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(5)
+    with pool.slot("a") as free:  # held past SLOT_PATIENCE: stuck, so no place
+        assert not free
+    release.set()
+    holder.join()

@@ -7,10 +7,10 @@ from typing import Any
 import msgspec
 import pytest
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, compensation, declaration_from_wire
-from mcp_saga.schemas.config import Config, parse_config
+from mcp_saga.schemas.config import Config, ConfigError, parse_config
 from mcp_saga.schemas.records import Compensation, CompensationJob, idempotency_key
 from mcp_saga.workers.job import _PERMANENT, attempt_of
-from mcp_saga.workers.trust import Refusal, check, check_request
+from mcp_saga.workers.trust import Refusal, check_live, check_request
 
 WF, STEP = "order-42", "charge"
 REFUND = compensation("refund_payment", transactionId="$response.body#/transactionId")
@@ -77,6 +77,11 @@ def tool(name: str, recovery: dict[str, Any] | None = None) -> dict[str, Any]:
 LIVE = tools(tool("charge_payment", REFUND), tool("refund_payment"))
 
 
+def check(job: CompensationJob, rec: Compensation, cfg: Config, live: dict[str, ToolDeclaration]) -> Refusal | None:
+    """Both halves, as the worker runs them: the request first, then against the live listing."""
+    return check_request(job, rec, cfg) or check_live(job, rec, cfg, live)
+
+
 def test_a_well_formed_compensation_passes() -> None:
     rec = record()
     assert check(job_for(rec), rec, config(), LIVE) is None
@@ -117,49 +122,51 @@ def test_a_compensation_that_calls_the_original_tool_again_is_refused() -> None:
     rec = record(operation_id="charge_payment", idempotency_key="k")
     live = tools(tool("charge_payment", compensation("charge_payment", orderId="x")))
     refusal = check(job_for(rec), rec, config(), live)
-    assert refusal is not None and "itself again" in refusal.reason
+    assert refusal is not None and "would call the original tool 'charge_payment' again" in refusal.reason
+    assert 'self_inverse = ["payments:charge_payment"]' in refusal.reason  # says how to allow it
 
 
-@pytest.mark.parametrize(
-    ("original", "reason"),
-    [
-        (tool("charge_payment", compensation("void_payment", id="$response.body#/id")), "names 'void_payment' now"),
-        (tool("charge_payment"), "no compensation is declared any more"),
-        (tool("charge_payment", {"strategy": "manual"}), "not supported"),
-    ],
-)
-def test_the_original_tool_must_still_declare_this_compensation(original: dict[str, Any], reason: str) -> None:
-    rec = record()
-    refusal = check(job_for(rec), rec, config(), tools(original, tool("refund_payment")))
-    assert refusal is not None and refusal.status == "unrecoverable" and reason in refusal.reason
+MOVE = compensation("move_file", source="$request.body#/destination", destination="$request.body#/source")
 
 
-def test_an_original_tool_gone_from_the_listing_is_refused() -> None:
-    rec = record()
-    refusal = check(job_for(rec), rec, config(), tools(tool("refund_payment")))
-    assert refusal is not None and "no longer lists 'charge_payment'" in refusal.reason
+def move_record(source: str) -> Compensation:
+    return record(
+        server="fs", tool="move_file", operation_id="move_file", source=source, idempotency_key="k",
+        arguments={"source": "b", "destination": "a"},
+    )  # fmt: skip
 
 
-def test_an_overlay_compensation_is_confirmed_against_the_config_not_the_server() -> None:
-    rec = record(server="legacy", tool="charge", operation_id="refund", source="overlay", idempotency_key="k")
-    live = tools(tool("charge"), tool("refund"))  # the server declares nothing itself
-    assert check(job_for(rec), rec, config(), live) is None
-    other = record(server="legacy", tool="charge", operation_id="wipe", source="overlay", idempotency_key="k")
-    refusal = check(job_for(other), other, config(), tools(tool("charge"), tool("wipe")))
-    assert refusal is not None and "recovery overlay" in refusal.reason and "names 'refund'" in refusal.reason
+def fs_config(**policy: list[str]) -> Config:
+    overlay = {"recovery": {"move_file": MOVE}}
+    return parse_config({"servers": {"fs": {"command": ["fs-server"], **overlay}}, "policy": {"auto": ["*"], **policy}})
 
 
-def test_policy_deny_approval_and_auto() -> None:
-    rec = record()
-    job = job_for(rec)
-    denied = check(job, rec, config(deny=["payments:*"]), LIVE)
-    assert denied == Refusal("unrecoverable", "policy denies payments:refund_payment")
-    waiting = check(job, rec, config(approval=["payments:refund_*"], auto=["*"]), LIVE)
-    assert waiting == Refusal("awaiting-approval", "policy requires approval for payments:refund_payment")
-    approved = record(approved=True)
-    assert check(job_for(approved), approved, config(approval=["payments:refund_*"]), LIVE) is None
-    assert check(job, rec, config(auto=["payments:refund_payment"]), LIVE) is None
-    assert check(job, rec, config(auto=["inventory:*"]), LIVE) is not None  # unnamed pairs wait
+def test_a_self_inverse_declared_by_an_operator_overlay_is_trusted() -> None:
+    rec = move_record("overlay")
+    assert check(job_for(rec), rec, fs_config(), tools(tool("move_file"))) is None
+
+
+def test_a_self_inverse_declared_by_the_server_needs_the_policys_consent() -> None:
+    rec = move_record("server")
+    live = tools(tool("move_file", MOVE))
+    refusal = check(job_for(rec), rec, fs_config(), live)
+    assert refusal is not None and refusal.status == "unrecoverable" and "self_inverse" in refusal.reason
+    assert check(job_for(rec), rec, fs_config(self_inverse=["fs:move_file"]), live) is None
+    assert check(job_for(rec), rec, fs_config(self_inverse=["fs:*"]), live) is None
+    assert check(job_for(rec), rec, fs_config(self_inverse=["other:move_file"]), live) is not None
+
+
+def test_a_config_that_could_only_be_refused_fails_at_start_up_naming_the_field() -> None:
+    never = {"strategy": "compensation"}
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"servers": {"fs": {"command": ["fs-server"], "recovery": {"move_file": never}}}})
+    assert str(refused.value) == (
+        "config: servers.fs.recovery.move_file.compensatingOperation: recovery strategy 'compensation' without a"
+        " compensatingOperation: this overlay could never run"
+    )
+    with pytest.raises(ConfigError, match=r"policy\.self_inverse\.0: 'move_file' is not a server:tool pattern"):
+        parse_config({"policy": {"self_inverse": ["move_file"]}})
+    assert fs_config(deny=["*"]).policy.deny == ["*"]  # the emergency brake still starts
 
 
 def test_policy_needs_no_listing() -> None:
@@ -169,8 +176,9 @@ def test_policy_needs_no_listing() -> None:
 
 
 class _RQJob:
-    def __init__(self, retries_left: int | None, intervals: list[int] | None):
+    def __init__(self, retries_left: int | None, intervals: list[int] | None, first: int | None = None):
         self.retries_left, self.retry_intervals = retries_left, intervals
+        self.meta = {} if first is None else {"first_attempt": first}
 
 
 @pytest.mark.parametrize(
@@ -185,6 +193,21 @@ class _RQJob:
 )
 def test_attempt_numbers_come_from_rq(retries_left: int | None, intervals: list[int] | None, expected: tuple) -> None:
     assert attempt_of(_RQJob(retries_left, intervals), config().worker) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("retries_left", "intervals", "expected"),
+    [
+        (2, [0, 0], (3, 2)),  # deferred at its third attempt: the continuation starts there
+        (1, [0, 0], (4, 1)),
+        (0, [0, 0], (5, 0)),
+        (None, None, (3, 0)),  # deferred at its last attempt: continued without Retry
+    ],
+)
+def test_a_deferred_jobs_continuation_goes_on_counting_where_it_stopped(
+    retries_left: int | None, intervals: list[int] | None, expected: tuple
+) -> None:
+    assert attempt_of(_RQJob(retries_left, intervals, first=3), config().worker) == expected  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from mcp_saga.runtime.redis_checks import RedisSetupError
 from mcp_saga.schemas.config import ConfigError, load_config
 from mcp_saga.workers.process import run_worker
 
@@ -25,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    return run_worker(args.redis, config, name=args.name, burst=args.burst, logging_level=args.log_level)
+    try:
+        return run_worker(args.redis, config, name=args.name, burst=args.burst, logging_level=args.log_level)
+    except RedisSetupError as exc:
+        print(exc, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,21 +8,40 @@ the key, identical on every attempt, is what makes the effect happen once.
 
 Retries are RQ's: a retryable failure that is not the last attempt is reported and then raised
 as `RetryableFailure`, so RQ schedules the next attempt with the job's backoff; every other
-outcome is reported as final and returns normally, so RQ does not retry it.
+outcome is reported as final and returns normally, so RQ does not retry it. Every attempt is
+reported, with its dispatch and attempt numbers, so one dispatch calls the server at most
+`[worker] attempts` times and the coordinator can tell a slow compensation from a silent one.
+
+The lease is held, and refreshed by a heartbeat, from before the trust checks until the report is
+written (`workers/lease.py`). A job that finds the lease held by another worker does not call the
+server and does not vanish either: it reports a retryable attempt ("not called: the lease is held
+by W") and RQ tries again after the backoff, when the holder has usually settled the compensation
+(then the retry finds it settled and stops) or let go of it (then the retry calls). A success from
+the holder still counts after such a report, even a final one: the coordinator takes a success from
+any dispatch.
+
+Per-server isolation (issue 11, item 10): a process lets at most `[worker] per_server` of its slots
+wait on one server (`SessionPool.slot`). A job whose server is at that limit is not run in a slot
+that would only wait; it is *deferred*: continued as a new RQ job due a second later, with the
+same payload and the attempts it has left, and without counting an attempt (the server was not
+called); a job deferred again waits twice as long, up to DEFER_MAX_SECONDS. So a server that
+hangs holds at most `per_server` slots, each for at most its `timeout`, and the other slots keep
+serving the other servers' compensations.
 """
 
 from __future__ import annotations
 
 import re
 import time
-import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import msgspec
 from mcp_saga.runtime import metrics, tracing
 from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.publish import clip
 from mcp_saga.runtime.recovery_wire import IDEMPOTENCY_META_KEY, ToolDeclaration
 from mcp_saga.runtime.sessions import SessionError, SessionPool
 from mcp_saga.schemas.config import Config, WorkerSettings, load_config
@@ -36,9 +55,11 @@ from mcp_saga.schemas.events import (
 )
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.records import SETTLED, Compensation, CompensationJob, arguments_digest, comp_decoder, job_decoder
+from mcp_saga.schemas.results import result_text
 from mcp_saga.workers import trust
+from mcp_saga.workers.lease import Lease
 from redis import Redis
-from rq import get_current_job
+from rq import Queue, Retry, get_current_job
 from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
@@ -46,19 +67,17 @@ log = get_logger("worker")
 
 # Test-only: SIGKILL this worker right after the tool call returns, before its report.
 KEY_ARGUMENTS = ("idempotencyKey", "idempotency_key")
-# Reports must stay inside the wire contract's caps (`Text` fields, MAX_DATA_BYTES) or the
-# coordinator dead-letters them.
-MAX_TEXT = 4000
+# A report carries the compensating tool's result for the timeline; a huge one is cut to this, far
+# inside the contract's MAX_DATA_BYTES, since nothing binds from it.
 MAX_RESULT_BYTES = 64 * 1024
 
 # The SDK reports an unknown tool and rejected arguments as ordinary `isError` results; these
 # are the texts it uses, and no retry can change them.
 _PERMANENT = re.compile(r"^(Unknown tool: |Error executing tool \S+: \d+ validation errors? for \S+Arguments)")
-
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
+# A deferred job comes back 1, 2, 4, ... seconds later (RQ's scheduler looks about once a second),
+# at most this much: a server hung for its whole `timeout` costs each queued job a handful of
+# continuations, not one a second.
+DEFER_MAX_SECONDS = 30
 
 
 class RetryableFailure(Exception):
@@ -95,23 +114,31 @@ def _current_context(rq_job: Job | None) -> WorkerContext:
             raise RuntimeError("mcp_saga.workers.job.compensate runs inside an RQ worker (or after set_context)")
         config = load_config()
         log.warning("no worker context: built one from SAGA_CONFIG; `saga worker` keeps sessions warm across jobs")
-        set_context(rq_job.connection, config, SessionPool(config.servers, tools_ttl=config.worker.tools_ttl), "rq")
+        set_context(rq_job.connection, config, session_pool(config), "rq")
     assert _context is not None
     return _context
 
 
-def attempt_of(rq_job: Job | None, settings: WorkerSettings) -> tuple[int, int]:
+def session_pool(config: Config) -> SessionPool:
+    """The worker's pool: warm sessions, and at most `per_server` slots waiting on any one server."""
+    return SessionPool(config.servers, tools_ttl=config.worker.tools_ttl, per_server=config.worker.slots_per_server)
+
+
+def attempt_of(rq_job: Job | None, settings: WorkerSettings, used: int = 0) -> tuple[int, int]:
     """(attempt number from 1, retries left after this one), from RQ's own bookkeeping.
 
     RQ keeps `retries_left` but not the Retry's `max`; `enqueue` gives one interval per retry,
-    so their count is the max (the configured attempts are the fallback for foreign jobs).
+    so their count is the max (the configured attempts are the fallback for foreign jobs). A
+    deferred job's continuation carries the attempt it starts at in `meta["first_attempt"]`; a
+    re-dispatch starts after the `used` attempts earlier dispatches spent (the job's attemptsUsed).
     """
+    first = int(rq_job.meta.get("first_attempt", used + 1)) if rq_job is not None else used + 1
     if rq_job is None or not rq_job.retries_left:
         planned = len(rq_job.retry_intervals or ()) if rq_job else 0
-        return planned + 1, 0
+        return first + planned, 0
     left = rq_job.retries_left
     planned = next(n for n in (len(rq_job.retry_intervals or ()), settings.attempts - 1, left) if n >= left)
-    return planned - left + 1, left
+    return first + planned - left, left
 
 
 def compensate(payload: str) -> str:
@@ -119,15 +146,54 @@ def compensate(payload: str) -> str:
     job = job_decoder.decode(payload)
     rq_job = get_current_job()
     ctx = _current_context(rq_job)
-    return _Attempt(ctx, job, rq_job).run()
+    with ctx.pool.slot(job.server) as free:
+        if not free and rq_job is not None:
+            return _defer(ctx, job, rq_job, payload)
+        return _Attempt(ctx, job, rq_job).run()
+
+
+def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) -> str:
+    """Continue the job as a new one due shortly, with the attempts it has left (none was used)."""
+    attempt, left = attempt_of(rq_job, ctx.config.worker, job.attempts_used)
+    intervals = list(rq_job.retry_intervals or ())
+    base = rq_job.meta.get("base_id", rq_job.id)
+    deferrals = int(rq_job.meta.get("deferrals", 0)) + 1
+    continuation = Queue(rq_job.origin, connection=ctx.redis).enqueue_in(
+        timedelta(seconds=min(2 ** (deferrals - 1), DEFER_MAX_SECONDS)),
+        rq_job.func_name,
+        payload,
+        job_id=f"{base}-w{deferrals}",
+        retry=Retry(max=left, interval=intervals[len(intervals) - left :] or [0]) if left else None,
+        job_timeout=rq_job.timeout,
+        result_ttl=rq_job.result_ttl,
+        failure_ttl=rq_job.failure_ttl,
+        description=rq_job.description,
+        meta={**rq_job.meta, "first_attempt": attempt, "deferrals": deferrals, "base_id": base},
+    )
+    log.info(
+        "compensation deferred: its server has every slot it may use in this worker",
+        workflow=job.workflow,
+        step=job.step,
+        dispatch=job.dispatch,
+        attempt=attempt,
+        server=job.server,
+        continuation=continuation.id,
+    )
+    return f"deferred: {job.server} is using every slot it may have; continued as job {continuation.id}"
 
 
 class _Attempt:
     def __init__(self, ctx: WorkerContext, job: CompensationJob, rq_job: Job | None):
         self.ctx, self.job, self.keys = ctx, job, Keys(job.prefix)
-        self.attempt, self.retries_left = attempt_of(rq_job, ctx.config.worker)
-        self.lease_key = self.keys.lease(job.workflow, job.step)
-        self.token = f"{ctx.name}:{uuid.uuid4().hex}"
+        self.attempt, self.retries_left = attempt_of(rq_job, ctx.config.worker, job.attempts_used)
+        self.lease = Lease(
+            ctx.redis,
+            self.keys.lease(job.workflow, job.step),
+            ctx.name,
+            ctx.config.worker.lease,
+            workflow=job.workflow,
+            step=job.step,
+        )
         self.started = time.monotonic()
         self.report: Payload | None = None
         self.traced: tracing.Attempt | None = None
@@ -137,26 +203,37 @@ class _Attempt:
         job, redis = self.job, self.ctx.redis
         # The lease and the record in one round trip: taking a lease we then drop costs nothing.
         with redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.lease_key, self.token, nx=True, px=int(self.ctx.config.worker.lease * 1000))
+            self.lease.take(pipe)
             pipe.hget(self.keys.comp(job.workflow), job.step)
             if job.seq >= 0:  # the recorded step, which the trust checks compare the live declaration with
                 pipe.lindex(self.keys.steps(job.workflow), job.seq)
-            leased, raw, *step = pipe.execute()
+            leased, holder, raw, *step = pipe.execute()
         self.step_raw = step[0] if step else None
         record = comp_decoder.decode(raw) if raw else None
         skip = self._skip_reason(record)
-        if skip or not leased:
+        if skip:  # settled or superseded: the coordinator needs no word from this job
             if leased:
                 self._finish()
-            outcome = skip or "leased by another worker, which is on it"
-            self._log("info", "skipped", reason=outcome)
-            return f"skipped: {outcome}"
+            self._log("info", "skipped", reason=skip)
+            return f"skipped: {skip}"
+        if not leased:
+            try:
+                return self._held(holder)
+            finally:
+                self._finish(release=False)
         assert record is not None
+        self.lease.hold()
         try:
             with tracing.attempt(job) as self.traced:
                 return self._perform(record)
         finally:
             self._finish()
+
+    def _held(self, holder: bytes | None) -> str:
+        """Another worker is on this compensation: say so, and let RQ try again after the backoff."""
+        name = holder.decode(errors="replace").rpartition(":")[0] if holder else ""
+        who = f"worker {name}" if name else "a worker that let go of it just now"
+        return self._failed(f"not called: the lease is held by {who}, which is on it", True)
 
     def _skip_reason(self, record: Compensation | None) -> str | None:
         if record is None:
@@ -192,7 +269,7 @@ class _Attempt:
             return self._failed("the RQ job timeout ran out during the attempt", True)
         fail_point("worker.after-call")
         if result.get("isError"):
-            text = _text(result) or "isError result without text"
+            text = result_text(result, "\n") or "isError result without text"
             return self._failed(text, not _PERMANENT.match(text))
         self._report(CompensationSucceeded(**self._fields(final=True), result=_bounded(result)))
         self._log("info", "succeeded", duration_ms=self._elapsed_ms())
@@ -225,9 +302,9 @@ class _Attempt:
 
     def _failed(self, error: str, retryable: bool) -> str:
         final = not retryable or self.retries_left == 0
-        report = CompensationFailed(**self._fields(final=final), error=error[:MAX_TEXT], retryable=retryable)
+        report = CompensationFailed(**self._fields(final=final), error=clip(error), retryable=retryable)
         self._report(report)
-        self._log("warning" if final else "info", "failed", retryable=retryable, final=final, error=error[:MAX_TEXT])
+        self._log("warning" if final else "info", "failed", retryable=retryable, final=final, error=clip(error))
         if not final:
             raise RetryableFailure(error)
         return f"failed: {error[:200]}"
@@ -258,13 +335,15 @@ class _Attempt:
         if self.traced is not None:
             self.traced.outcome(payload)
 
-    def _finish(self) -> None:
+    def _finish(self, *, release: bool = True) -> None:
         """The report and the lease release in one round trip."""
         with self.ctx.redis.pipeline(transaction=False) as pipe:
             if self.report is not None:
                 pipe.xadd(self.keys.events, entry_fields(self.job.workflow, self.report))  # type: ignore[arg-type]
-            pipe.eval(_RELEASE, 1, self.lease_key, self.token)  # EVALSHA would add a SCRIPT EXISTS trip
-            pipe.execute()
+            if release:
+                self.lease.release(pipe)
+            if len(pipe):
+                pipe.execute()
 
     def _log(self, level: str, event: str, **fields: Any) -> None:
         job = self.job
@@ -280,14 +359,9 @@ class _Attempt:
         )
 
 
-def _text(result: dict[str, Any]) -> str:
-    blocks = result.get("content") or []
-    return "\n".join(b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text").strip()
-
-
 def _bounded(result: dict[str, Any]) -> dict[str, Any]:
     """The result as reported; a huge one is cut down so that the report stays within the contract."""
     size = len(msgspec.json.encode(result))
     if size <= MAX_RESULT_BYTES:
         return result
-    return {"isError": False, "truncated": True, "bytes": size, "text": _text(result)[:MAX_TEXT]}
+    return {"isError": False, "truncated": True, "bytes": size, "text": clip(result_text(result, "\n"))}

@@ -10,21 +10,31 @@ A process runs `[worker] concurrency` RQ workers over one session pool: the main
 owns the signals and the scheduler) and the others in threads. A compensation is mostly waiting
 for its MCP call, so one process with several slots overlaps one job's call with another's RQ
 bookkeeping instead of doing them one after the other.
+
+A slot in a thread needs three of RQ's private names (`_install_signal_handlers`,
+`dequeue_job_and_maintain_ttl`, `_stop_requested`): RQ's public stop, `request_stop`, installs
+signal handlers, which only the main thread may do, and RQ has no public hook for a worker that
+is not the process. So RQ is pinned to the range known to work (`pyproject.toml`: from 2.12,
+measured in FACTS.md, to 3.0, which this suite runs on), and `tests/test_worker_sessions.py`
+checks that the names still exist, so a newer RQ that renames them fails in CI, not in a worker.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.runtime.metrics import CountingRetry
-from mcp_saga.runtime.sessions import SessionPool
+from mcp_saga.runtime.redis_checks import check_redis
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.keys import Keys
-from mcp_saga.workers.job import clear_context, set_context
+from mcp_saga.workers.job import clear_context, session_pool, set_context
 from redis import Redis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, SimpleWorker
 from rq.timeouts import TimerDeathPenalty
 
@@ -65,16 +75,14 @@ def run_worker(
     """Work the queue until stopped (or, with `burst`, until it is empty); returns the exit status."""
     if not logging.getLogger("saga").handlers:  # `saga worker` configured them already
         configure(logging_level)
-    for server, settings in config.servers.items():
-        if settings.timeout >= config.worker.lease:
-            log.warning(
-                "call timeout is not below the lease: a slow call may outlive its lease",
-                server=server, timeout=settings.timeout, lease=config.worker.lease,
-            )  # fmt: skip
     # redis-py's from_url connects without retries: a Redis restart during a job then escaped RQ's
     # failure handling and ended the process. With these, a restart of a few seconds goes unnoticed.
     retry = CountingRetry("worker", ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
     connection = Redis.from_url(redis_url, retry=retry)
+    try:  # an evicting policy raises RedisSetupError (unless allowed); no persistence is a loud warning
+        check_redis(connection, allow_eviction=config.redis.allow_eviction, log=log)
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        log.warning("could not check the redis setup at start-up", error=str(exc))
     queue = Queue(Keys(config.prefix).queue, connection=connection)
     worker = SimpleWorker([queue], connection=connection, name=name)
     slots = [
@@ -85,7 +93,7 @@ def run_worker(
         threading.Thread(target=slot.work, kwargs={"burst": burst, "logging_level": logging_level}, daemon=True)
         for slot in slots
     ]
-    pool = SessionPool(config.servers, tools_ttl=config.worker.tools_ttl)
+    pool = session_pool(config)
     set_context(connection, config, pool, worker.name)
     log.info(
         "worker started",
@@ -101,8 +109,10 @@ def run_worker(
         if burst:  # slots stop on an empty queue; a retry they queued after the main worker left is still due
             for thread in threads:
                 thread.join()
-            while queue.count:
-                worker.work(burst=True, logging_level=logging_level)
+            while queue.count or queue.scheduled_job_registry.count:  # retries and deferred jobs
+                if not queue.count:
+                    time.sleep(0.2)  # not due yet: the scheduler of the next round enqueues it when it is
+                worker.work(burst=True, with_scheduler=True, logging_level=logging_level)
     finally:
         for slot in slots:  # each finishes the job in hand, as the main worker did
             slot._stop_requested = True

@@ -51,8 +51,8 @@ def check_request(job: CompensationJob, record: Compensation, config: Config) ->
         return _refuse(f"job names operation {operation!r}, but the plan says {record.operation_id!r}")
     if job.idempotency_key != record.idempotency_key:
         return _refuse("job carries a different idempotency key than the plan")
-    if operation == record.tool:
-        return _refuse(f"compensation of {record.tool!r} would call {record.tool!r} itself again")
+    if (why := config.policy.self_inverse_refusal(server, record.tool, operation, record.source)) is not None:
+        return _refuse(why)
     decision = config.policy.decide(server, operation)
     if decision == "deny":
         return _refuse(f"policy denies {server}:{operation}")
@@ -87,16 +87,6 @@ def check_live(
         if declaration.problem and recovery is None:
             return _refuse(f"{server}:{tool}: {declaration.problem}")
     return _names(recovery, operation, where) or _binds(recovery, job, record, step, where)
-
-
-def check(
-    job: CompensationJob,
-    record: Compensation,
-    config: Config,
-    tools: Mapping[str, ToolDeclaration],
-    step: StepCompleted | None = None,
-) -> Refusal | None:
-    return check_request(job, record, config) or check_live(job, record, config, tools, step)
 
 
 def _names(recovery: Recovery | None, operation: str, where: str) -> Refusal | None:
