@@ -26,6 +26,7 @@ from mcp_saga.cli.redis_server import resolve_redis
 from mcp_saga.schemas.config import Config, CoordinatorSettings, ServerConfig, WorkerSettings, write_config
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.results import result_text
+from mcp_saga.schemas.timeline import TimelineEntry
 from rich.console import Console
 from rich.table import Table
 
@@ -214,13 +215,11 @@ class Demo:
             timeline.add_column(column)
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
         start = None
-        for _, entry in client.xrange(self.keys.log(self.workflow)):
-            at = float(entry.pop("at"))
-            start = start or at
-            kind = entry.pop("type")
-            step = entry.pop("step", "")
-            detail = ", ".join(f"{k}={v}" for k, v in entry.items() if k not in ("key", "digest"))
-            timeline.add_row(f"+{(at - start) * 1000:.0f} ms", kind, step, detail)
+        for _, fields in client.xrange(self.keys.log(self.workflow)):
+            entry = TimelineEntry.from_fields(fields)
+            start = start or entry.at
+            detail = ", ".join(f"{k}={v}" for k, v in entry.details().items() if k not in ("key", "digest"))
+            timeline.add_row(f"+{(entry.at - start) * 1000:.0f} ms", entry.type, entry.step or "", detail)
         self.console.print(timeline)
 
 

@@ -15,11 +15,12 @@ import msgspec
 from mcp_saga.cli import render
 from mcp_saga.cli.args import CliError, Ops, add_command, positive, with_redis
 from mcp_saga.runtime import operators
-from mcp_saga.runtime.reader import WorkflowSnapshot, decode_fields, state_fields
+from mcp_saga.runtime.reader import WorkflowSnapshot, state_fields
 from mcp_saga.runtime.redis_checks import inspect_redis
 from mcp_saga.schemas.keys import STATUSES
 from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
-from mcp_saga.schemas.results import result_text
+from mcp_saga.schemas.results import result_summary
+from mcp_saga.schemas.timeline import Outcome, TimelineEntry
 
 
 def load_workflow(ops: Ops, workflow: str) -> tuple[WorkflowState, dict[str, Compensation]]:
@@ -31,16 +32,6 @@ def load_workflow(ops: Ops, workflow: str) -> tuple[WorkflowState, dict[str, Com
     if loaded is None:
         raise CliError(f"no workflow {workflow!r} (never seen by a coordinator, or expired)")
     return loaded
-
-
-def _result_summary(result: Any) -> str:
-    """The part of a CallToolResult a person looks for: its structured body, else its text."""
-    if not isinstance(result, dict):
-        return render.text(result, 60)
-    body = result.get("structuredContent")
-    if body is None:
-        body = result_text(result)
-    return ("error: " if result.get("isError") else "") + render.text(body, 60)
 
 
 def cmd_inspect(ops: Ops) -> int:
@@ -63,7 +54,7 @@ def snapshot_json(snapshot: WorkflowSnapshot) -> dict[str, Any]:
         "expiresIn": snapshot.expires_in,
         "steps": snapshot.steps,
         "compensations": [msgspec.to_builtins(c) for c in snapshot.compensations.values()],
-        "timeline": snapshot.timeline,
+        "timeline": [e.to_json() for e in snapshot.timeline],
     }
 
 
@@ -117,7 +108,7 @@ def _step_row(n: int, step: Any) -> tuple[Any, ...]:
         step.get("step"),
         step.get("server"),
         step.get("tool"),
-        _result_summary(step.get("result")),
+        render.text(result_summary(step.get("result")), 60),
         operation.get("operationId") if isinstance(operation, dict) else "",
         render.when(completed) if isinstance(completed, int | float) else completed,
     )
@@ -140,9 +131,9 @@ def _comp_row(c: Compensation) -> tuple[Any, ...]:
     )
 
 
-def _timeline_row(entry: dict[str, str]) -> tuple[Any, ...]:
-    detail = " ".join(f"{k}={v}" for k, v in entry.items() if k not in ("id", "at", "type", "step"))
-    return (render.when(entry.get("at")), entry.get("type"), entry.get("step"), detail)
+def _timeline_row(entry: TimelineEntry) -> tuple[Any, ...]:
+    detail = " ".join(f"{k}={v}" for k, v in entry.details().items())
+    return (render.when(entry.at or None), entry.type, entry.step, detail)
 
 
 def cmd_list(ops: Ops) -> int:
@@ -181,16 +172,15 @@ def cmd_watch(ops: Ops) -> int:
             for _, entries in ops.r.xread({stream: last}, count=100, block=1000) or ():
                 for entry_id, fields in entries:
                     last = entry_id.decode()
-                    outcome = decode_fields(fields)
+                    outcome = Outcome.from_fields(fields)
                     if ops.args.json:
-                        print(json.dumps({"id": last, **outcome}), flush=True)
+                        print(json.dumps({"id": last, **outcome.to_fields()}), flush=True)
                     else:
-                        rest = " ".join(f"{k}={v}" for k, v in outcome.items() if k not in ("at", "type", "workflow"))
-                        print(
-                            f"{render.when(outcome.get('at'))}  {outcome.get('type', '?'):<24} "
-                            f"{outcome.get('workflow', '?')}  {rest}".rstrip(),
-                            flush=True,
+                        rest = " ".join(
+                            f"{k}={v}" for k, v in outcome.to_fields().items() if k not in ("at", "type", "workflow")
                         )
+                        head = f"{render.when(outcome.at or None)}  {outcome.type:<24} {outcome.workflow or '?'}"
+                        print(f"{head}  {rest}".rstrip(), flush=True)
                     seen += 1
                     if ops.args.count and seen >= ops.args.count:
                         return 0

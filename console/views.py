@@ -12,9 +12,11 @@ from datetime import datetime
 from typing import Any
 
 import msgspec
-from mcp_saga.runtime.reader import DeadLetter, Fleet, WorkflowSnapshot
+from mcp_saga.runtime.reader import Fleet, WorkflowSnapshot
 from mcp_saga.schemas.operators import COMMANDS, operator_refusal
 from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
+from mcp_saga.schemas.results import result_summary
+from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 
 # Timeline entries that end one compensation attempt (the worker's report, with its duration).
 ATTEMPT_ENDS = {
@@ -47,18 +49,6 @@ def pretty(value: Any) -> str:
     if value is None:
         return ""
     return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str)
-
-
-def result_text(result: Any, limit: int = 400) -> str:
-    """The part of a CallToolResult a person looks for: its structured body, else its text blocks."""
-    if not isinstance(result, dict):
-        return _cut(str(result or ""), limit)
-    body = result.get("structuredContent")
-    if body is None:
-        blocks = result.get("content") if isinstance(result.get("content"), list) else []
-        body = " ".join(str(b.get("text", "")) for b in blocks if isinstance(b, dict) and b.get("type") == "text")
-    text = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False, default=str)
-    return ("error: " if result.get("isError") else "") + _cut(text, limit)
 
 
 def workflow_row(workflow: str, state: WorkflowState) -> dict[str, Any]:
@@ -105,7 +95,7 @@ def workflow_page(snapshot: WorkflowSnapshot) -> dict[str, Any]:
             "server": s.get("server"),
             "tool": s.get("tool"),
             "arguments": pretty(s.get("arguments")),
-            "result": result_text(s.get("result")),
+            "result": _cut(result_summary(s.get("result")), 400),
             "completed": when(s.get("completedAt")) or str(s.get("completedAt") or ""),
         }
         if isinstance(s, dict)
@@ -136,20 +126,20 @@ def workflow_page(snapshot: WorkflowSnapshot) -> dict[str, Any]:
     }
 
 
-def timeline_rows(entries: list[dict[str, str]]) -> list[dict[str, Any]]:
-    start = _seconds(entries[0].get("at")) if entries else None
+def timeline_rows(entries: list[TimelineEntry]) -> list[dict[str, Any]]:
+    start = entries[0].at or None if entries else None
     rows = []
     for entry in entries:
-        at = _seconds(entry.get("at"))
-        rest = {k: v for k, v in entry.items() if k not in ("id", "at", "type", "step", "by", "workflow")}
+        at = entry.at or None
+        rest = {k: v for k, v in entry.details().items() if k not in ("by", "workflow")}
         rows.append(
             {
-                "id": entry.get("id"),
+                "id": entry.id,
                 "offset": f"+{(at - start) * 1000:,.0f} ms" if at is not None and start is not None else "",
                 "when": when(at),
-                "type": entry.get("type", "?"),
-                "step": entry.get("step", ""),
-                "by": entry.get("by", ""),
+                "type": entry.type,
+                "step": entry.step or "",
+                "by": entry.by or "",
                 "detail": ", ".join(f"{k}={_cut(v, 300)}" for k, v in rest.items()),
             }
         )
@@ -172,30 +162,30 @@ def picture(snapshot: WorkflowSnapshot) -> dict[str, Any]:
     lanes: dict[str, list[dict[str, Any]]] = {step: [] for step in reversed(snapshot.compensations)}
     times = [t for t, *_ in forward]
     for entry in snapshot.timeline:
-        at = _seconds(entry.get("at"))
+        at = entry.at or None
         if at is None:
             continue
         times.append(at)
-        kind, step = entry.get("type", "?"), entry.get("step")
+        kind, step = entry.type, entry.step
         if kind == "workflow-failed":
-            forward.append((at, "failure", f"workflow failed: {entry.get('reason', '')}", "failed"))
+            forward.append((at, "failure", f"workflow failed: {entry.reason or ''}", "failed"))
             continue
         if step is None or step not in lanes:
-            detail = entry.get("status") or entry.get("by") or entry.get("reason") or ""
+            detail = entry.status or entry.by or entry.reason or ""
             forward.append((at, kind, f"{kind}: {detail}" if detail else kind, ""))
             continue
         if kind in ATTEMPT_ENDS:
-            duration = _float(entry.get("duration_ms"))
+            duration = entry.duration_ms
             start = at - duration / 1000 if duration is not None else at
             times.append(start)
-            label = f"{step} attempt {entry.get('attempt', '?')}: {ATTEMPT_ENDS[kind]}"
+            label = f"{step} attempt {entry.attempt if entry.attempt is not None else '?'}: {ATTEMPT_ENDS[kind]}"
             label += f" after {duration:,.0f} ms" if duration is not None else ""
-            if entry.get("error") or entry.get("reason"):
-                label += f": {_cut(entry.get('error') or entry.get('reason') or '', 200)}"
+            if entry.error or entry.reason:
+                label += f": {_cut(entry.error or entry.reason or '', 200)}"
             short = f"{duration:,.0f} ms" if duration is not None else ATTEMPT_ENDS[kind]
             lanes[step].append({"start": start, "end": at, "kind": ATTEMPT_ENDS[kind], "label": label, "short": short})
         else:
-            who = f" by {entry['by']}" if entry.get("by") else ""
+            who = f" by {entry.by}" if entry.by else ""
             short = f"{kind.removeprefix('operator-')}{who}" if kind.startswith("operator-") else ""
             lanes[step].append({"start": at, "end": None, "kind": kind, "label": f"{kind}{who}", "short": short})
     if not times:
@@ -234,7 +224,7 @@ def picture(snapshot: WorkflowSnapshot) -> dict[str, Any]:
     for n, lane in enumerate(drawn):
         lane["y"] = 20 + n * LANE
     # Offsets from the first timeline entry, as in the table of entries (forward steps come before it).
-    origin = _seconds(snapshot.timeline[0].get("at")) if snapshot.timeline else None
+    origin = snapshot.timeline[0].at or None if snapshot.timeline else None
     origin = t0 if origin is None else origin
     ticks = [{"x": x(t0 + span * f), "label": _span(t0 + span * f - origin)} for f in (0, 0.25, 0.5, 0.75, 1)]
     return {"width": WIDTH, "height": 30 + len(drawn) * LANE, "lanes": drawn, "ticks": ticks, "label": LABEL}
@@ -271,13 +261,6 @@ def _seconds(ts: float | str | None) -> float | None:
         pass
     try:
         return datetime.fromisoformat(str(ts).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def _float(value: str | None) -> float | None:
-    try:
-        return float(value) if value is not None else None
     except ValueError:
         return None
 

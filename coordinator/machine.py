@@ -13,6 +13,7 @@ known, a report already counted change nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from mcp_saga.coordinator.planner import plan_step
@@ -33,15 +34,12 @@ from mcp_saga.schemas.events import (
 )
 from mcp_saga.schemas.operators import operator_refusal
 from mcp_saga.schemas.records import IN_FLIGHT, SETTLED, UNWINDING, Compensation, CompensationJob, WorkflowState
+from mcp_saga.schemas.timeline import Outcome, TimelineEntry
 
 
-def timeline_entry(kind: str, now: float, step: str | None = None, **detail: object) -> dict[str, str]:
-    """One entry of `saga:{wf}:log`: flat string fields, readable with XRANGE."""
-    entry = {"type": kind, "at": f"{now:.6f}"}
-    if step is not None:
-        entry["step"] = step
-    entry.update({k: str(v) for k, v in detail.items() if v is not None and v != ""})
-    return entry
+def timeline_entry(kind: str, now: float, step: str | None = None, **detail: Any) -> TimelineEntry:
+    """One entry of `saga:{wf}:log`; `detail` names fields of `TimelineEntry`."""
+    return TimelineEntry(type=kind, at=now, step=step, **detail)
 
 
 def _repairs(repairs: tuple[str, ...]) -> str:
@@ -62,8 +60,8 @@ class WorkflowView:
     full: bool
     new_steps: list[bytes] = field(default_factory=list)
     changed: dict[str, Compensation] = field(default_factory=dict)
-    log: list[dict[str, str]] = field(default_factory=list)
-    outcomes: list[dict[str, str]] = field(default_factory=list)
+    log: list[TimelineEntry] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)
     jobs: list[CompensationJob] = field(default_factory=list)
     # Outcomes committed into the workflow's outbox and not yet written to `saga:outcomes` (JSON
     # items; the store fills and empties this, the machine never reads it).
@@ -256,7 +254,7 @@ class Machine:
         now: float,
         event_id: str = "",
         repairs: tuple[str, ...] = (),
-    ) -> tuple[Compensation, list[dict[str, str]]]:
+    ) -> tuple[Compensation, list[TimelineEntry]]:
         """A step's compensation plan and the timeline entries that record it (also for the fast path)."""
         plan = plan_step(workflow, data, seq, self.config.overlay(data.server, data.tool), now, self.config.policy)
         comp = plan.compensation
@@ -352,7 +350,7 @@ class Machine:
             digest=data.arguments_digest,
             attempt=data.attempt,
             dispatch=data.dispatch,
-            duration_ms=None if data.duration_ms is None else f"{data.duration_ms:.1f}",
+            duration_ms=data.duration_ms,
             worker=data.worker,
         )
         if comp.status in SETTLED:
@@ -513,11 +511,6 @@ class Machine:
     def _outcome(
         self, view: WorkflowView, kind: str, now: float, step: str | None, status: str = "", reason: str = ""
     ) -> None:
-        entry = {"type": kind, "workflow": view.workflow, "at": f"{now:.6f}"}
-        if step:
-            entry["step"] = step
-        if status:
-            entry["status"] = status
-        if reason:
-            entry["reason"] = reason[:2000]
-        view.outcomes.append(entry)
+        view.outcomes.append(
+            Outcome(type=kind, workflow=view.workflow, at=now, step=step, status=status, reason=reason)
+        )

@@ -18,8 +18,9 @@ import msgspec
 from mcp_saga.coordinator.machine import WorkflowView
 from mcp_saga.runtime.reader import decode_records
 from mcp_saga.schemas.config import CoordinatorSettings
-from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, STATUSES, Keys
+from mcp_saga.schemas.keys import STATUSES, Keys
 from mcp_saga.schemas.records import Compensation, comp_decoder, comp_encoder, state_from_hash
+from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 from redis import Redis
 
 LOG_MAXLEN = 10_000
@@ -41,6 +42,17 @@ def index_item(view: WorkflowView, deadline: float | None, known: bool) -> Index
     where = ("-" if deadline is None else f"{deadline:.6f}") if known else ""
     score = state.updated_at or state.created_at  # when it entered the status, if it just did (ZADD NX)
     return (view.workflow, f"{state.created_at:.6f}", state.version, state.status, f"{score:.6f}", where)
+
+
+def flat_entries(entries: list[TimelineEntry]) -> list[str | bytes | int]:
+    """Timeline entries as the Lua scripts take them: per entry its field count, then name, value pairs."""
+    args: list[str | bytes | int] = []
+    for entry in entries:
+        fields = entry.to_fields()
+        args.append(len(fields))
+        for pair in fields.items():
+            args += pair
+    return args
 
 
 def load_script(name: str) -> str:
@@ -111,10 +123,7 @@ class Store:
             for step, comp in view.changed.items():
                 args += (step, comp_encoder.encode(comp))
             args += view.new_steps
-            for entry in view.log:
-                args.append(len(entry))
-                for k, v in entry.items():
-                    args += (k, v)
+            args += flat_entries(view.log)
             self._apply(keys=self.keys.workflow_keys(view.workflow), args=args, client=pipe)
         oks = [bool(ok) for ok in pipe.execute()]
         for view, ok in zip(views, oks, strict=True):
@@ -127,10 +136,12 @@ class Store:
         if not view.outcomes:
             return ""
         base = f"{view.workflow}/{view.state.created_at:.6f}/{view.state.version}"
-        return msgspec.json.encode([{**o, "id": f"{base}/{n}"} for n, o in enumerate(view.outcomes)])
+        return msgspec.json.encode(
+            [msgspec.structs.replace(o, id=f"{base}/{n}").to_fields() for n, o in enumerate(view.outcomes)]
+        )
 
     def record_steps(
-        self, batches: dict[str, tuple[int, list[tuple[Compensation, bytes, list[dict[str, str]]]]]], now: float
+        self, batches: dict[str, tuple[int, list[tuple[Compensation, bytes, list[TimelineEntry]]]]], now: float
     ) -> dict[str, Recorded | None]:
         """Record new steps of workflows believed running, without loading them first.
 
@@ -145,10 +156,7 @@ class Store:
             args: list[str | bytes | int] = [f"{now:.6f}", ttl, LOG_MAXLEN, expected, len(steps)]
             for comp, raw, entries in steps:
                 args += (comp.step, comp_encoder.encode(comp), raw, len(entries))
-                for entry in entries:
-                    args.append(len(entry))
-                    for k, v in entry.items():
-                        args += (k, v)
+                args += flat_entries(entries)
             self._record_steps(keys=self.keys.workflow_keys(workflow), args=args, client=pipe)
         replies = pipe.execute()
         return {
@@ -175,9 +183,7 @@ class Store:
                 for outcome in msgspec.json.decode(raw):
                     pipe.xadd(self.keys.outcomes, outcome, maxlen=self.settings.outcomes_maxlen, approximate=True)
         for entry_id, fields, reason in dead:
-            # Original fields kept under their own names; ours prefixed so they never collide.
-            record = {DEAD_REASON: reason.encode(), DEAD_ID: entry_id, DEAD_AT: f"{time.time():.3f}"}
-            record.update({k: v for k, v in fields.items() if not k.startswith(b"dead.")})
+            record = DeadLetter.record(entry_id, fields, reason, time.time())
             pipe.xadd(self.keys.dead_letter, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
         for reply in pipe.execute(raise_on_error=False):
             if isinstance(reply, Exception):

@@ -21,9 +21,10 @@ from mcp_saga.schemas.events import (
     entry_fields,
     stream_id,
 )
-from mcp_saga.schemas.keys import DEAD_ID, DEAD_REASON, Keys
+from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.operators import COMMANDS, RETRYABLE, operator_refusal
 from mcp_saga.schemas.records import UNWINDING
+from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 from redis import Redis
 from redis.exceptions import ResponseError
 
@@ -127,21 +128,19 @@ def await_applied(redis: Redis, keys: Keys, sent: Sent, timeout: float) -> Outco
     """
     payload, workflow = sent.prepared.payload, sent.prepared.workflow
     log_mark, dead_mark = sent.log_mark, sent.dead_mark
-    want = {b"type": payload.TYPE.encode(), b"by": payload.by.encode()}
-    if payload.step is not None:
-        want[b"step"] = payload.step.encode()
     deadline = time.monotonic() + timeout
     while True:
         taken = _taken(redis, keys, sent.id)
         for entry_id, fields in redis.xrange(keys.log(workflow), min=f"({log_mark}" if log_mark else "-"):
             log_mark = entry_id.decode()
-            if all(fields.get(k) == v for k, v in want.items()):
+            entry = TimelineEntry.from_fields(fields)
+            if entry.type == payload.TYPE and entry.by == payload.by and payload.step in (None, entry.step):
                 return "applied"
         for entry_id, fields in redis.xrange(keys.dead_letter, min=f"({dead_mark}" if dead_mark else "-"):
             dead_mark = entry_id.decode()
-            if fields.get(DEAD_ID.encode(), b"").decode() == sent.id:
-                reason = fields.get(DEAD_REASON.encode(), b"").decode(errors="replace")
-                raise CommandRefused(f"sent as {sent.id}, but the coordinator rejected it: {reason}")
+            letter = DeadLetter.from_fields(entry_id, fields)
+            if letter.original_id == sent.id:
+                raise CommandRefused(f"sent as {sent.id}, but the coordinator rejected it: {letter.reason}")
         if taken:
             return "unchanged"
         if time.monotonic() >= deadline:

@@ -12,8 +12,9 @@ import re
 from typing import Any
 
 import msgspec
-from mcp_saga.schemas.keys import DEAD_AT, DEAD_ID, DEAD_REASON, STATUSES, Keys
+from mcp_saga.schemas.keys import STATUSES, Keys
 from mcp_saga.schemas.records import Compensation, WorkflowState, comp_decoder, state_from_hash
+from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 from redis import Redis
 from redis.exceptions import ResponseError
 
@@ -31,7 +32,7 @@ class WorkflowSnapshot(msgspec.Struct, frozen=True):
     # The step stack as recorded (each the step-completed data); text where an entry is not JSON.
     steps: list[Any]
     # Timeline entries, oldest first, each with its stream `id`.
-    timeline: list[dict[str, str]]
+    timeline: list[TimelineEntry]
     # Seconds until the keys expire; None when they do not.
     expires_in: int | None
 
@@ -69,22 +70,10 @@ class Fleet(msgspec.Struct, frozen=True):
     queue: dict[str, int]
 
 
-class DeadLetter(msgspec.Struct, frozen=True):
-    id: str
-    at: str | None
-    reason: str
-    original_id: str | None
-    fields: dict[str, str]
-
-
 def decode_records(raw: dict[bytes, bytes]) -> dict[str, Compensation]:
     """The `:comp` hash, in completion order."""
     comps = {k.decode(): comp_decoder.decode(v) for k, v in raw.items()}
     return dict(sorted(comps.items(), key=lambda kv: kv[1].seq))
-
-
-def decode_fields(fields: dict[bytes, bytes]) -> dict[str, str]:
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()}
 
 
 def state_fields(state: WorkflowState) -> dict[str, Any]:
@@ -129,7 +118,7 @@ class Reader:
         raw_state, raw_comps, ttl, raw_steps, raw_log = pipe.execute()
         if not raw_state:
             return None
-        timeline = [{"id": i.decode(), **decode_fields(f)} for i, f in raw_log]
+        timeline = [TimelineEntry.from_fields(f, i) for i, f in raw_log]
         if last:
             timeline.reverse()
         return WorkflowSnapshot(
@@ -141,10 +130,10 @@ class Reader:
             expires_in=ttl if ttl >= 0 else None,
         )
 
-    def timeline_after(self, workflow: str, after: str | None) -> list[dict[str, str]]:
+    def timeline_after(self, workflow: str, after: str | None) -> list[TimelineEntry]:
         """Timeline entries newer than stream id `after` (all when None): what a live view polls."""
         entries = self.redis.xrange(self.keys.log(workflow), min=f"({after}" if after else "-")
-        return [{"id": i.decode(), **decode_fields(f)} for i, f in entries]
+        return [TimelineEntry.from_fields(f, i) for i, f in entries]
 
     def counts(self) -> dict[str, int]:
         """Workflows per status, from the status indexes."""
@@ -201,8 +190,7 @@ class Reader:
 
         queue = Queue(self.keys.queue, connection=self.redis)
         return {"queued": queue.count} | {
-            name: getattr(queue, f"{name}_job_registry").get_job_count(cleanup=False)
-            for name in QUEUE_REGISTRIES
+            name: getattr(queue, f"{name}_job_registry").get_job_count(cleanup=False) for name in QUEUE_REGISTRIES
         }
 
     def fleet(self) -> Fleet:
@@ -252,19 +240,7 @@ class Reader:
 
     def dead_letters(self, limit: int = 50) -> list[DeadLetter]:
         """Newest first."""
-        letters = []
-        for entry_id, fields in self.redis.xrevrange(self.keys.dead_letter, count=limit):
-            data = decode_fields(fields)
-            letters.append(
-                DeadLetter(
-                    id=entry_id.decode(),
-                    at=data.pop(DEAD_AT, None),
-                    reason=data.pop(DEAD_REASON, ""),
-                    original_id=data.pop(DEAD_ID, None),
-                    fields=data,
-                )
-            )
-        return letters
+        return [DeadLetter.from_fields(i, f) for i, f in self.redis.xrevrange(self.keys.dead_letter, count=limit)]
 
 
 def text_of(value: str | bytes) -> str:

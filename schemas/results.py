@@ -9,6 +9,7 @@ single-text-block rule, `saga inspect`, the demo) reads it through here.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,3 +31,24 @@ def text_blocks(result: Any) -> list[Any]:
 def result_text(result: Any, separator: str = " ") -> str:
     """The result's text blocks joined, blank ones left out; "" when it has none."""
     return separator.join(t for t in text_blocks(result) if isinstance(t, str) and t).strip()
+
+
+def result_summary(result: Any) -> str:
+    """What a person looks for in a step's result (`saga inspect`, the console): its structured body
+    as compact JSON, else its text; "error: " first when the call failed.
+
+    Whole: each view cuts it to its own width.
+    """
+    if not isinstance(result, Mapping):
+        return _compact(result)
+    body = result.get("structuredContent")
+    text = result_text(result) if body is None else _compact(body)
+    return ("error: " if result.get("isError") else "") + text
+
+
+def _compact(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)

@@ -159,7 +159,7 @@ def test_operator_retry_and_resolve(machine: Machine) -> None:
     assert view.comps["b"].status == "resolved"
     assert settle(machine, view) == ["a"]
     assert view.state.status == "compensated"
-    assert any(e["type"] == "operator-resolve" and e["by"] == "alice" for e in view.log)
+    assert any(e.type == "operator-resolve" and e.by == "alice" for e in view.log)
 
 
 def test_approval_gate(machine: Machine) -> None:
@@ -202,7 +202,7 @@ def test_late_step_is_compensated_and_flagged(machine: Machine) -> None:
     fold(machine, view, step("late"))
     assert view.comps["late"].late
     assert [j.step for j in view.jobs] == ["late"]
-    assert any(e["type"] == "late-step" for e in view.log)
+    assert any(e.type == "late-step" for e in view.log)
     settle(machine, view)
     assert view.state.status == "compensated"
 
@@ -216,7 +216,7 @@ def test_watchdog_redispatches_with_same_key(machine: Machine) -> None:
     (second,) = view.jobs
     assert second.dispatch == first.dispatch + 1
     assert second.idempotency_key == first.idempotency_key
-    assert any(e["type"] == "watchdog-redispatch" for e in view.log)
+    assert any(e.type == "watchdog-redispatch" for e in view.log)
     # The superseded dispatch's late success still counts: the compensation happened.
     fold(machine, view, CompensationSucceeded(step="a", dispatch=first.dispatch), now=111.0)
     assert view.state.status == "compensated"
@@ -235,7 +235,7 @@ def test_nonsense_is_rejected(machine: Machine) -> None:
 def test_failure_before_any_step_ends_compensated_with_nothing_to_do(machine: Machine) -> None:
     view = fold(machine, new_view(), WorkflowFailed(reason="first call failed"))
     assert view.state.status == "compensated"
-    assert view.outcomes[-1]["type"] == "workflow-compensated"
+    assert view.outcomes[-1].type == "workflow-compensated"
 
 
 def test_overlay_wins_over_server_declaration_and_is_noted() -> None:
@@ -251,7 +251,7 @@ def test_overlay_wins_over_server_declaration_and_is_noted() -> None:
     view = fold(machine, new_view(), s)
     comp = view.comps["a"]
     assert (comp.source, comp.operation_id, comp.arguments) == ("overlay", "cancel_reservation", {"id": "X"})
-    assert any(e["type"] == "overlay-override" for e in view.log)
+    assert any(e.type == "overlay-override" for e in view.log)
 
 
 def test_a_late_step_waits_for_the_compensation_in_flight(machine: Machine) -> None:
@@ -271,8 +271,8 @@ def test_a_step_handled_after_completion_is_recorded_not_undone(machine: Machine
     assert view.state.status == "completed" and view.state.steps == 2
     assert view.comps["b"].status == "skipped" and "completed" in (view.comps["b"].reason or "")
     assert view.jobs == [] and len(view.new_steps) == 2
-    assert view.log[-1]["type"] == "late-step"
-    assert not any(o["type"].startswith("workflow-") and o["type"] != "workflow-completed" for o in view.outcomes)
+    assert view.log[-1].type == "late-step"
+    assert not any(o.type.startswith("workflow-") and o.type != "workflow-completed" for o in view.outcomes)
 
 
 def test_watchdog_spares_a_leased_or_reporting_compensation_and_keeps_its_budget(machine: Machine) -> None:
@@ -314,5 +314,5 @@ def test_barrier_grace_zero_announces_needs_attention_once() -> None:
     machine = Machine(parse_config({"coordinator": {"barrier_grace": 0}}))
     view = fold(machine, new_view(), step("a", recovery=None), WorkflowFailed(steps_completed=2))
     assert view.state.status == "needs-attention"
-    assert [o["type"] for o in view.outcomes] == ["workflow-needs-attention"]
-    assert [e["type"] for e in view.log].count("status") == 1
+    assert [o.type for o in view.outcomes] == ["workflow-needs-attention"]
+    assert [e.type for e in view.log].count("status") == 1

@@ -171,7 +171,7 @@ def test_inspect_shows_state_steps_compensations_and_timeline(r: redis.Redis, st
         assert expected in out, expected
 
 
-def test_inspect_json_is_complete(stuck: str, saga: Run) -> None:
+def test_inspect_json_is_complete(r: redis.Redis, stuck: str, saga: Run) -> None:
     code, out, _ = saga("inspect", stuck, "--json")
     assert code == 0
     data = json.loads(out)
@@ -189,6 +189,9 @@ def test_inspect_json_is_complete(stuck: str, saga: Run) -> None:
     assert types[0] == "workflow-failed"  # compensable steps are on the stack, not the timeline
     assert "compensation-failed" in types
     assert all(e["id"] and e["at"] for e in data["timeline"])
+    # Typed on the way in and out, the timeline still shows exactly what the stream holds.
+    raw = [{"id": i.decode(), **{k.decode(): v.decode() for k, v in f.items()}} for i, f in r.xrange(KEYS.log(stuck))]
+    assert data["timeline"] == raw
 
     _, out, _ = saga("inspect", stuck, "--json", "--last", "1")
     assert [e["type"] for e in json.loads(out)["timeline"]] == [types[-1]]

@@ -277,8 +277,8 @@ def test_an_over_long_mistyped_failure_still_unwinds(r: redis.Redis) -> None:
     state = state_from_hash(r.hgetall(K.state("trace")))
     assert state.reason.endswith("more characters cut]") and len(state.reason) <= 8192
     timeline = Reader(r, K).snapshot("trace").timeline  # type: ignore[union-attr]
-    (note,) = [e for e in timeline if e["type"] == "event-repaired"]
-    assert "reason:" in note["detail"] and "failedStep: str" in note["detail"]
+    (note,) = [e for e in timeline if e.type == "event-repaired"]
+    assert note.detail and "reason:" in note.detail and "failedStep: str" in note.detail
 
 
 def test_a_step_over_the_size_cap_is_recorded_not_dead_lettered(r: redis.Redis) -> None:
