@@ -9,7 +9,6 @@ redelivered after a crash folds to no change, and its workflows' queued jobs are
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import time
@@ -22,13 +21,13 @@ from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, index_item
 from mcp_saga.runtime import metrics, tracing
 from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
-from mcp_saga.runtime.redis_checks import check_redis
+from mcp_saga.runtime.redis_checks import RateLimitedLog, check_redis, healing_condition
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry, stream_id
 from mcp_saga.schemas.keys import STATUSES, Keys
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = get_logger("coordinator")
@@ -45,51 +44,6 @@ STEP_COUNT_CACHE = 100_000
 # Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
 # How Redis (6.2, 7.0) reports an error a script's redis.call raised: the inner error's prefix after
 # a dash, behind "Command # N (EVALSHA ...) of pipeline caused error: " when it ran in a pipeline.
-SCRIPT_ERROR = re.compile(r"Error running script .*?@user_script: ?\d+: -([A-Z]+) ")
-HEALING = ("OOM", "NOGROUP", "READONLY", "MISCONF", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING")
-
-
-def healing_condition(exc: ResponseError) -> str | None:
-    """The condition a Redis error reports, when it is one to wait out instead of exiting on.
-
-    redis-py strips the prefix of the errors it has a class for (OOM, READONLY) and keeps the
-    others' (NOGROUP, MISCONF, ...) in the message.
-    """
-    if isinstance(exc, OutOfMemoryError):
-        return "OOM"
-    if isinstance(exc, ReadOnlyError):
-        return "READONLY"
-    text = str(exc)
-    word = text.split(" ", 1)[0]
-    inner = SCRIPT_ERROR.search(text)  # raised by redis.call inside a script (ours or RQ's), maybe in a pipeline
-    if inner:
-        word = inner.group(1)
-    return word if word in HEALING else None
-
-
-class RateLimitedLog:
-    """One warning per condition every `every` seconds, with how many were held back meanwhile."""
-
-    def __init__(self, every: float = 10.0) -> None:
-        self.every = every
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def note(self, condition: str, error: str, retry_in: float) -> None:
-        now = time.monotonic()
-        last, held = self._last.get(condition, (float("-inf"), 0))
-        if now - last < self.every:
-            self._last[condition] = (last, held + 1)
-            return
-        self._last[condition] = (now, 0)
-        log.warning(
-            "redis refused a write; nothing acknowledged, retrying",
-            condition=condition,
-            error=error[:200],
-            retry_in=retry_in,
-            repeats_held_back=held,
-        )
-
-
 @dataclass
 class BatchResult:
     events: int = 0
@@ -113,7 +67,7 @@ class Coordinator:
         self._next_claim = 0.0
         self._next_watch = 0.0
         self._next_housekeeping = time.monotonic() + 10
-        self._refused = RateLimitedLog()
+        self._refused = RateLimitedLog(log)
         self._step_counts: dict[str, int] = {}
 
     # Process lifetime ---------------------------------------------------------------------

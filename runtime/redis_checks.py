@@ -10,11 +10,13 @@ what cannot be known is said to be unknown, never guessed.
 
 from __future__ import annotations
 
+import re
+import time
 from typing import Any
 
 import msgspec
 from redis import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import ExecAbortError, OutOfMemoryError, ReadOnlyError, ResponseError
 
 # The only policy under which Redis refuses a write instead of deleting something to make room.
 SAFE_POLICY = "noeviction"
@@ -97,3 +99,56 @@ def check_redis(redis: Redis, *, allow_eviction: bool, log: Any) -> RedisFacts:
     elif facts.persistence is None:
         log.warning("could not tell whether redis persists its data (CONFIG is disabled and AOF is off)")
     return facts
+
+
+# Conditions that heal: a process waits them out (acknowledging nothing), it never exits on them.
+SCRIPT_ERROR = re.compile(r"Error running script .*?@user_script: ?\d+: -([A-Z]+) ")
+HEALING = ("OOM", "NOGROUP", "READONLY", "MISCONF", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING")
+
+
+def healing_condition(exc: BaseException) -> str | None:
+    """The condition a Redis error reports, when it is one to wait out instead of exiting on.
+
+    redis-py strips the prefix of the errors it has a class for (OOM, READONLY) and keeps the
+    others' (NOGROUP, MISCONF, ...) in the message.
+    """
+    if isinstance(exc, ExecAbortError) and exc.__context__ is not None:  # MULTI aborted by a queued command's error
+        return healing_condition(exc.__context__)
+    if not isinstance(exc, ResponseError):
+        return None
+    if isinstance(exc, OutOfMemoryError):
+        return "OOM"
+    if isinstance(exc, ReadOnlyError):
+        return "READONLY"
+    text = str(exc)
+    word = text.split(" ", 1)[0]
+    inner = SCRIPT_ERROR.search(text)  # raised by redis.call inside a script (ours or RQ's), maybe in a pipeline
+    if inner:
+        word = inner.group(1)
+    if word == "UNBLOCKED":  # Redis 7 ends a blocked XREADGROUP so when its stream (and group) is deleted
+        return "NOGROUP"
+    return word if word in HEALING else None
+
+
+class RateLimitedLog:
+    """One warning per condition every `every` seconds, with how many were held back meanwhile."""
+
+    def __init__(self, log: Any, every: float = 10.0) -> None:
+        self.log = log
+        self.every = every
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def note(self, condition: str, error: str, retry_in: float) -> None:
+        now = time.monotonic()
+        last, held = self._last.get(condition, (float("-inf"), 0))
+        if now - last < self.every:
+            self._last[condition] = (last, held + 1)
+            return
+        self._last[condition] = (now, 0)
+        self.log.warning(
+            "redis refused a write; nothing acknowledged, retrying",
+            condition=condition,
+            error=error[:200],
+            retry_in=retry_in,
+            repeats_held_back=held,
+        )
