@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from processes import start_http_servers, stop, wait_for
 from test_worker_job import FAST, K, plan, reports, start_worker, write_config
