@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
+from mcp_saga.runtime.connect import connect, resolve_url
 from mcp_saga.runtime.reader import Reader
 from mcp_saga.schemas.config import Config, load_config
 from mcp_saga.schemas.keys import Keys
@@ -21,10 +22,12 @@ class CliError(Exception):
 
 
 def redis_url(args: argparse.Namespace) -> str:
+    """--redis, else REDIS_URL, else the config's `[redis] sentinels` (as a redis+sentinel:// URL)."""
     url = getattr(args, "redis", None) or os.environ.get("REDIS_URL")
-    if not url:
-        raise CliError("no Redis: pass --redis URL or set REDIS_URL")
-    return url
+    resolved = resolve_url(url, config_of(args).redis)
+    if not resolved:
+        raise CliError("no Redis: pass --redis URL, set REDIS_URL, or name [redis] sentinels and master in the config")
+    return resolved
 
 
 def config_of(args: argparse.Namespace) -> Config:
@@ -49,7 +52,7 @@ def with_redis(fn: Callable[[Ops], int]) -> Callable[[argparse.Namespace], int]:
     @functools.wraps(fn)
     def run(args: argparse.Namespace) -> int:
         config = config_of(args)
-        client = redis.Redis.from_url(redis_url(args))
+        client = connect(redis_url(args))
         try:
             return fn(Ops(args, client, Keys(config.prefix), config))
         except (RedisConnectionError, RedisTimeoutError) as exc:

@@ -6,13 +6,13 @@ import argparse
 from collections.abc import Callable
 
 from mcp_saga.cli.args import CliError, config_of, redis_url
+from mcp_saga.runtime.connect import connect
 from mcp_saga.runtime.logs import get_logger
 
 log = get_logger("console")
 
 
 def cmd_console(args: argparse.Namespace) -> int:
-    import redis
     import uvicorn
     from mcp_saga.console import Credentials, create_app
     from mcp_saga.console.auth import TOKEN_ENV, USERS_ENV, CredentialsError
@@ -35,7 +35,7 @@ def cmd_console(args: argparse.Namespace) -> int:
             f"no credentials: set {TOKEN_ENV} (bearer token) or {USERS_ENV} (name:password,...) "
             "or, for a look-only console, `[console] read_open = true`"
         )
-    client = redis.Redis.from_url(redis_url(args), socket_timeout=5, health_check_interval=30)
+    client = connect(redis_url(args), socket_timeout=5, health_check_interval=30)
     app = create_app(client, Keys(config.prefix), settings, credentials)
     log.info("console listening", url=f"http://{settings.host}:{settings.port}/", read_open=settings.read_open)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)

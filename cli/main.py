@@ -25,11 +25,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     early: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: early.append(signum))
-    import redis
     from mcp_saga.coordinator.consumer import Coordinator
+    from mcp_saga.runtime.connect import connect
 
     config = config_of(args)
-    connection = redis.Redis.from_url(redis_url(args))
+    connection = connect(redis_url(args))
     coordinator = Coordinator(connection, config, name=args.name)
     observe(config, "coordinator", args, connection)
     return 0 if early else coordinator.run()

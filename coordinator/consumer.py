@@ -19,6 +19,7 @@ from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
 from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, index_item
 from mcp_saga.runtime import metrics, tracing
+from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.redis_checks import RateLimitedLog, check_redis, healing_condition
@@ -60,7 +61,7 @@ class Coordinator:
         self.settings = config.coordinator
         self.keys = Keys(config.prefix)
         self.machine = Machine(config, prefix=config.prefix)
-        self.store = Store(redis, self.keys, self.settings)
+        self.store = Store(redis, self.keys, self.settings, Durability.of(config.redis))
         self.queue = queue_for(redis, self.keys.queue)
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.stopping = False
@@ -212,6 +213,8 @@ class Coordinator:
         for view in committed:
             self._remember_steps(view.workflow, view.state.steps if view.state.status == "running" else None)
         fail_point("coordinator.after-commit")
+        if redelivered:  # an earlier run may have committed without its WAIT succeeding
+            self.store.confirm()
         result.jobs = self._dispatch(committed, ensure=redelivered)
         # The indexes say what the committed states say: re-derived for every workflow this batch
         # touched (so a redelivery repairs what a crash after the commit left undone), and for the

@@ -12,16 +12,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from importlib import resources
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 from mcp_saga.coordinator.machine import WorkflowView
+from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.reader import decode_records
 from mcp_saga.schemas.config import CoordinatorSettings
 from mcp_saga.schemas.keys import STATUSES, Keys
 from mcp_saga.schemas.records import Compensation, comp_decoder, comp_encoder, state_from_hash
 from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 from redis import Redis
+from redis.client import Pipeline
 
 LOG_MAXLEN = 10_000
 DeadEntry = tuple[bytes, dict[bytes, bytes], str]  # id, original fields, reason
@@ -60,10 +62,15 @@ def load_script(name: str) -> str:
 
 
 class Store:
-    def __init__(self, redis: Redis, keys: Keys, settings: CoordinatorSettings) -> None:
+    def __init__(
+        self, redis: Redis, keys: Keys, settings: CoordinatorSettings, durability: Durability | None = None
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
+        # With it, every commit pipeline ends with WAIT, and a commit too few replicas confirmed
+        # raises NotReplicated before anything is dispatched or acknowledged.
+        self.durability = durability
         self._apply = redis.register_script(load_script("apply.lua"))
         self._record_steps = redis.register_script(load_script("record_steps.lua"))
         self._index = redis.register_script(load_script("index.lua"))
@@ -125,11 +132,26 @@ class Store:
             args += view.new_steps
             args += flat_entries(view.log)
             self._apply(keys=self.keys.workflow_keys(view.workflow), args=args, client=pipe)
-        oks = [bool(ok) for ok in pipe.execute()]
+        oks = [bool(ok) for ok in self._execute(pipe, "commit")]
         for view, ok in zip(views, oks, strict=True):
             if ok and view.outcomes:
                 view.outbox.append(self.outbox_item(view))
         return oks
+
+    def _execute(self, pipe: Pipeline, what: str) -> list[Any]:
+        """The pipeline's replies; with durability, after a WAIT on the same connection covers its writes."""
+        if self.durability is None:
+            return pipe.execute()
+        self.durability.queue(pipe)
+        *replies, acknowledged = pipe.execute()
+        self.durability.check(acknowledged, f"coordinator {what}")
+        return replies
+
+    def confirm(self) -> None:
+        """WAIT for what this connection wrote before, for a redelivered batch whose commit came earlier."""
+        if self.durability is not None:
+            pipe = self.redis.pipeline(transaction=False)
+            self._execute(pipe, "earlier commit")
 
     def outbox_item(self, view: WorkflowView) -> bytes | str:
         """The transition's outcomes, each with an `id` that names it across re-sends."""
@@ -158,7 +180,7 @@ class Store:
                 args += (comp.step, comp_encoder.encode(comp), raw, len(entries))
                 args += flat_entries(entries)
             self._record_steps(keys=self.keys.workflow_keys(workflow), args=args, client=pipe)
-        replies = pipe.execute()
+        replies = self._execute(pipe, "steps")
         return {
             workflow: Recorded(bool(reply[1]), len(steps), int(reply[2]), float(reply[3])) if reply[0] else None
             for (workflow, (_, steps)), reply in zip(batches.items(), replies, strict=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.publish import AsyncPublisher, workflow_failed
 from mcp_saga.schemas.events import WorkflowCompleted
@@ -43,8 +44,15 @@ class _Workflow:
 class Recorder:
     """The gateway's one writer: per-workflow order, retries, and the refusal rule."""
 
-    def __init__(self, redis: aioredis.Redis, prefix: str = "saga", *, retry_for: float = 10.0) -> None:
-        self.publisher = AsyncPublisher(redis, prefix)
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        prefix: str = "saga",
+        *,
+        retry_for: float = 10.0,
+        durability: Durability | None = None,
+    ) -> None:
+        self.publisher = AsyncPublisher(redis, prefix, durability)
         self.retry_for = retry_for
         self.workflows: dict[str, _Workflow] = {}
         self._healthy = True
@@ -90,7 +98,7 @@ class Recorder:
         deadline, delay = time.monotonic() + self.retry_for, 0.05
         while True:
             try:
-                await self.publisher.redis.xadd(self.publisher.stream, fields)  # type: ignore[arg-type]
+                await self.publisher.add(fields, f"step {step!r} of {workflow!r}")
                 self._healthy = True
                 return
             except Exception as exc:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import redis.asyncio as aioredis
 from mcp_saga.runtime import tracing
+from mcp_saga.runtime.connect import connect_async, is_sentinel_url, parse_sentinel_url, sentinel_url
+from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, clip, step_entry, workflow_failed
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
 from mcp_saga.schemas.events import (
@@ -101,6 +103,10 @@ class Workflow:
     (server, tool) is what the event's `recovery` carries, in place of what the server declares
     (the coordinator applies the same rule; recording it here tells every other reader of the
     stream too), and the config's prefix names the stream.
+
+    `redis` may be a `redis+sentinel://` URL (runtime/connect.py); with a config and no URL, its
+    `[redis] sentinels` name the Redis. The config's `[redis] wait_replicas` makes each event count
+    as written only once that many replicas confirmed it (runtime/durability.py).
     """
 
     def __init__(
@@ -126,8 +132,15 @@ class Workflow:
         if isinstance(redis, SyncRedis):
             raise TypeError("pass a redis.asyncio.Redis (or a URL): a blocking client would stall the event loop")
         url = redis if isinstance(redis, str) else None if redis is not None else os.environ.get("REDIS_URL")
+        if redis is None and url is None and config is not None:
+            url = sentinel_url(config.redis)
         if redis is None and url is None:
-            raise ValueError("no Redis: pass redis= (a redis.asyncio.Redis or a URL) or set REDIS_URL")
+            raise ValueError(
+                "no Redis: pass redis= (a redis.asyncio.Redis or a URL), set REDIS_URL, or give a config "
+                "naming [redis] sentinels"
+            )
+        if url is not None and is_sentinel_url(url):
+            parse_sentinel_url(url, where="redis=")  # a malformed URL fails here, not at the first step
         self.id = workflow_id
         self.servers = dict(servers)
         self.config = config
@@ -153,8 +166,9 @@ class Workflow:
         # redis-py's from_url connects without retries (Redis() has them): without these, a Redis
         # restart of a few milliseconds fails every step written meanwhile. A repeated XADD is harmless.
         retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
-        connection = aioredis.Redis.from_url(self._url, retry=retry) if self._url is not None else self._redis
-        self.publisher = AsyncPublisher(connection, self._prefix)
+        connection = connect_async(self._url, retry=retry) if self._url is not None else self._redis
+        durability = Durability.of(self.config.redis) if self.config is not None else None
+        self.publisher = AsyncPublisher(connection, self._prefix, durability)
         self._span = tracing.workflow_span(self.id)
         self._state = "open"
         return self
@@ -305,7 +319,7 @@ class Workflow:
             if previous is not None:
                 await asyncio.wait([previous])
             try:
-                await publisher.redis.xadd(publisher.stream, fields)  # type: ignore[arg-type]
+                await publisher.add(fields, f"step {step!r} of {self.id!r}")
             except Exception as exc:
                 log.error("step %r of workflow %r was not recorded: %r", step, self.id, exc)
                 self._write_error = self._write_error or (step, exc)

@@ -9,6 +9,7 @@ how they await the one XADD each event costs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+from mcp_saga.runtime.durability import Durability, NotReplicated
 from mcp_saga.schemas.events import (
     MAX_DATA_BYTES,
     TEXT_MAX,
@@ -236,10 +238,26 @@ def _encode(payload: Payload) -> bytes:
         raise ValueError(f"{payload.TYPE} data is not JSON-serialisable: {exc}") from None
 
 
+# How long a publisher with durability re-sends an event that too few replicas confirmed (the
+# remaining replica of a just-promoted primary is still syncing) before it gives up. A re-sent
+# entry may be on the stream twice: the coordinator folds the copy to no change.
+NOT_REPLICATED_RETRY_FOR = 5.0
+
+
 class _Base:
-    def __init__(self, redis: Any, prefix: str = "saga") -> None:
+    """`durability` (from `[redis] wait_replicas`): each XADD is followed by WAIT in the same round
+    trip; an event too few replicas confirmed is not acknowledged: it is sent again for a few
+    seconds, then `NotReplicated` is raised and the caller's own handling of a failed write applies
+    (the gateway's retries and refusal, the SDK's `StepNotRecorded`)."""
+
+    def __init__(self, redis: Any, prefix: str = "saga", durability: Durability | None = None) -> None:
         self.redis = redis
         self.stream = Keys(prefix).events
+        self.durability = durability
+
+
+def _entry_id(reply: Any) -> str:
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
 
 
 class Publisher(_Base):
@@ -248,8 +266,26 @@ class Publisher(_Base):
     redis: redis.Redis
 
     def publish(self, workflow: str, payload: Payload) -> str:
-        entry_id = self.redis.xadd(self.stream, checked_entry(workflow, payload))  # type: ignore[arg-type]
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        return self.add(checked_entry(workflow, payload), f"{payload.TYPE} of {workflow[:80]!r}")
+
+    def add(self, entry: dict[bytes, bytes], what: str = "event") -> str:
+        """XADD one checked entry; with durability, retried while too few replicas confirm it."""
+        if self.durability is None:
+            return _entry_id(self.redis.xadd(self.stream, entry))  # type: ignore[arg-type]
+        deadline, delay = time.monotonic() + NOT_REPLICATED_RETRY_FOR, 0.05
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self.stream, entry)  # type: ignore[arg-type]
+            self.durability.queue(pipe)
+            entry_id, acknowledged = pipe.execute()
+            try:
+                self.durability.check(acknowledged, what)
+                return _entry_id(entry_id)
+            except NotReplicated:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def step_completed(
         self,
@@ -292,8 +328,25 @@ class AsyncPublisher(_Base):
     redis: redis.asyncio.Redis
 
     async def publish(self, workflow: str, payload: Payload) -> str:
-        entry_id = await self.redis.xadd(self.stream, checked_entry(workflow, payload))  # type: ignore[arg-type]
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        return await self.add(checked_entry(workflow, payload), f"{payload.TYPE} of {workflow[:80]!r}")
+
+    async def add(self, entry: dict[bytes, bytes], what: str = "event") -> str:
+        if self.durability is None:
+            return _entry_id(await self.redis.xadd(self.stream, entry))  # type: ignore[arg-type]
+        deadline, delay = time.monotonic() + NOT_REPLICATED_RETRY_FOR, 0.05
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self.stream, entry)  # type: ignore[arg-type]
+            self.durability.queue(pipe)
+            entry_id, acknowledged = await pipe.execute()
+            try:
+                self.durability.check(acknowledged, what)
+                return _entry_id(entry_id)
+            except NotReplicated:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def step_completed(
         self,

@@ -103,7 +103,19 @@ def check_redis(redis: Redis, *, allow_eviction: bool, log: Any) -> RedisFacts:
 
 # Conditions that heal: a process waits them out (acknowledging nothing), it never exits on them.
 SCRIPT_ERROR = re.compile(r"Error running script .*?@user_script: ?\d+: -([A-Z]+) ")
-HEALING = ("OOM", "NOGROUP", "READONLY", "MISCONF", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING")
+# NOREPLICAS: `min-replicas-to-write` refused a write, or a WAIT fell short (runtime/durability.py).
+HEALING = (
+    "OOM",
+    "NOGROUP",
+    "READONLY",
+    "MISCONF",
+    "BUSY",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "MASTERDOWN",
+    "LOADING",
+    "NOREPLICAS",
+)
 
 
 def healing_condition(exc: BaseException) -> str | None:

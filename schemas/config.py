@@ -191,8 +191,40 @@ class GatewaySettings(_Strict):
 
 
 class RedisSettings(_Strict):
+    """Where Redis is when Sentinel names it, and how durable a write must be before it counts.
+
+    `sentinels` + `master` are the config form of a `redis+sentinel://` URL (runtime/connect.py):
+    every process then asks the sentinels for the current primary and follows a failover.
+    `wait_replicas` > 0 makes publishers and the coordinator call WAIT after their writes and treat
+    a write fewer replicas confirmed within `wait_timeout_ms` as not acknowledged (README "Failover").
+    """
+
     # Run even though the server's maxmemory-policy may delete keys (see runtime/redis_checks.py).
     allow_eviction: bool = False
+    sentinels: list[str] = Field(default_factory=list)
+    master: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
+    db: int = Field(default=0, ge=0, le=15)
+    wait_replicas: int = Field(default=0, ge=0, le=16)
+    wait_timeout_ms: int = Field(default=1000, ge=1, le=60_000)
+
+    @field_validator("sentinels")
+    @classmethod
+    def _host_ports(cls, sentinels: list[str]) -> list[str]:
+        for i, address in enumerate(sentinels):
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535 or "/" in host or "@" in host:
+                raise ValueError(f"entry {i} ({address!r}) is not host:port (a sentinel, e.g. '10.0.0.5:26379')")
+        return sentinels
+
+    @model_validator(mode="after")
+    def _master_with_sentinels(self) -> RedisSettings:
+        if self.sentinels and self.master is None:
+            raise ValueError("sentinels are set but master is not: name the monitored primary (e.g. 'mymaster')")
+        if self.master is not None and not self.sentinels:
+            raise ValueError(f"master = {self.master!r} needs sentinels = ['host:port', ...] to ask for it")
+        return self
+
+
 class MetricsSettings(_Strict):
     """The Prometheus endpoint of each process (`/metrics`); off unless a port is given.
 

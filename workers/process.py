@@ -25,13 +25,13 @@ import logging
 import threading
 import time
 
+from mcp_saga.runtime.connect import connect
 from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.runtime.metrics import CountingRetry
 from mcp_saga.runtime.redis_checks import check_redis
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.workers.job import clear_context, session_pool, set_context
-from redis import Redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -78,7 +78,7 @@ def run_worker(
     # redis-py's from_url connects without retries: a Redis restart during a job then escaped RQ's
     # failure handling and ended the process. With these, a restart of a few seconds goes unnoticed.
     retry = CountingRetry("worker", ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
-    connection = Redis.from_url(redis_url, retry=retry)
+    connection = connect(redis_url, retry=retry)
     try:  # an evicting policy raises RedisSetupError (unless allowed); no persistence is a loud warning
         check_redis(connection, allow_eviction=config.redis.allow_eviction, log=log)
     except (RedisConnectionError, RedisTimeoutError) as exc:
