@@ -1,15 +1,22 @@
 """A primary, its replicas and a Sentinel, all real `redis-server` processes on loopback, for failover tests.
 
-Tuned to fail over within about a second of a SIGKILL (`down-after-milliseconds` 300, quorum 1 of
+Tuned to fail over within a few seconds of a SIGKILL (`down-after-milliseconds` 1000, quorum 1 of
 one sentinel): production runs three sentinels and longer timeouts, which change how long a
 failover takes, not what the processes must do to follow it.
+
+Each replica reaches the primary through a `Link`, a TCP relay that can stall like a partitioned
+network: bytes the primary sent stay in the link, and are gone if the primary dies meanwhile.
+That is how a replica falls behind in production (a slow or broken link); on a healthy loopback a
+replica has every write within microseconds, and a kill almost never finds one it lacks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +27,7 @@ from mcp_saga.cli.redis_server import RedisServer, find_redis_server
 from processes import wait_for
 
 MASTER = "mymaster"
+HOST = "127.0.0.1"
 SENTINEL_CONF = """port {port}
 bind 127.0.0.1
 dir {dir}
@@ -28,6 +36,74 @@ sentinel down-after-milliseconds {master} 1000
 sentinel failover-timeout {master} 3000
 sentinel parallel-syncs {master} 2
 """
+
+
+class Link:
+    """A relay for one replica's replication connection; `hold()` stalls both directions."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server((HOST, 0))
+        self.listener.settimeout(0.2)
+        self.port = self.listener.getsockname()[1]
+        self.held = threading.Event()
+        self.closed = threading.Event()
+        self._lock = threading.Lock()
+        # destination socket -> bytes held for it; a destination whose source died is dropped with them
+        self._pending: dict[socket.socket, bytearray] = {}
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                downstream, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection((HOST, self.target_port), timeout=2)
+            except OSError:
+                downstream.close()
+                continue
+            upstream.settimeout(None)
+            for src, dst in ((upstream, downstream), (downstream, upstream)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        with self._lock:
+            self._pending[dst] = bytearray()
+        try:
+            while data := src.recv(65536):
+                with self._lock:
+                    if self.held.is_set():
+                        self._pending[dst] += data
+                        continue
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._pending.pop(dst, None)  # in flight when its sender died: lost, as on a real network
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+    def hold(self) -> None:
+        self.held.set()
+
+    def release(self) -> None:
+        with self._lock:
+            self.held.clear()
+            for dst, data in self._pending.items():
+                with contextlib.suppress(OSError):
+                    dst.sendall(bytes(data))
+                data.clear()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.listener.close()
 
 
 @dataclass
@@ -39,6 +115,7 @@ class SentinelGroup:
     nodes: list[RedisServer] = field(default_factory=list)
     sentinel: subprocess.Popen[bytes] | None = None
     sentinel_port: int = field(default_factory=free_port)
+    links: list[Link] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -52,8 +129,10 @@ class SentinelGroup:
         primary = RedisServer(binary, directory=self._dir("node0"), extra_args=quick).start()
         self.nodes.append(primary)
         for n in range(1, self.replicas + 1):
+            link = Link(primary.port)
+            self.links.append(link)
             replica = RedisServer(
-                binary, directory=self._dir(f"node{n}"), extra_args=(*quick, "--replicaof", f"127.0.0.1 {primary.port}")
+                binary, directory=self._dir(f"node{n}"), extra_args=(*quick, "--replicaof", f"{HOST} {link.port}")
             )
             self.nodes.append(replica.start())
         for node in self.nodes[1:]:
@@ -96,6 +175,17 @@ class SentinelGroup:
         node.process.wait(10)
         return node
 
+    @contextlib.contextmanager
+    def links_held(self) -> Iterator[None]:
+        """The first primary's replication links stall for the block (a partition between it and its replicas)."""
+        for link in self.links:
+            link.hold()
+        try:
+            yield
+        finally:
+            for link in self.links:
+                link.release()
+
     def wait_for_promotion(self, old: RedisServer, timeout: float = 30) -> RedisServer:
         """The replica Sentinel promoted, once it accepts writes and (if any is left) has a replica again."""
         wait_for(lambda: self.primary_port() != old.port, timeout, "the sentinel to promote a replica")
@@ -111,6 +201,8 @@ class SentinelGroup:
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
     def stop(self) -> None:
+        for link in self.links:
+            link.close()
         if self.sentinel is not None and self.sentinel.poll() is None:
             self.sentinel.kill()
             self.sentinel.wait(10)

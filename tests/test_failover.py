@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from sentinels import SentinelGroup, sentinel_group
 import mcp_saga
 
 K = Keys()
+LAG = 0.3  # seconds the replication links stall before the primary is killed
 PROBE = Keys("probe")  # the probe's stream: no coordinator reads or trims it, so every entry stays to be counted
 
 
@@ -76,13 +78,20 @@ class Probe(threading.Thread):
 
 
 def probe_through_failover(group: SentinelGroup, durability: Durability | None) -> tuple[Probe, list[str]]:
+    """Steady publishing; the replication links stall for a moment, the primary dies, a replica is promoted.
+
+    The stall is the lag a slow or broken link gives a replica; without it, a SIGKILL on loopback
+    almost always finds the replicas holding every write (see README "Failover" for both figures).
+    """
     probe = Probe(group.url, durability)
     probe.start()
     wait_for(lambda: len(probe.acknowledged) >= 200, 30, "the probe to publish")
-    old = group.kill_primary()
+    with group.links_held():
+        time.sleep(LAG)
+        old = group.kill_primary()
     before = len(probe.acknowledged)
     group.wait_for_promotion(old)
-    wait_for(lambda: len(probe.acknowledged) >= before + 200, 60, "the probe to publish on the new primary")
+    wait_for(lambda: len(probe.acknowledged) >= before + 100, 60, "the probe to publish on the new primary")
     probe.stop()
     r = client_for(group.url)
     try:
@@ -92,20 +101,20 @@ def probe_through_failover(group: SentinelGroup, durability: Durability | None) 
 
 
 def test_with_wait_no_acknowledged_event_is_lost_in_a_failover(group: SentinelGroup) -> None:
-    probe, missing = probe_through_failover(group, Durability(replicas=1, timeout_ms=500))
+    probe, missing = probe_through_failover(group, Durability(replicas=1, timeout_ms=200))
     print(f"with WAIT: {len(probe.acknowledged)} acknowledged, {probe.refused} refused, {len(missing)} lost")
     assert missing == []
 
 
-def test_without_wait_the_failover_loss_is_counted(group: SentinelGroup) -> None:
-    """Asynchronous replication: what the primary acknowledged but had not sent yet dies with it.
+def test_without_wait_a_failover_loses_what_the_lagging_replica_had_not_received(group: SentinelGroup) -> None:
+    """Asynchronous replication: what the primary acknowledged while its replicas lagged dies with it.
 
-    How many that is depends on the moment of the kill (often none on loopback); the test asserts
-    that the publisher followed the promotion and prints the count, which README "Failover" quotes.
+    The count depends on the publishing rate and the lag; the test asserts that some acknowledged
+    events were lost and that the publisher followed the promotion, and prints the figure.
     """
     probe, missing = probe_through_failover(group, None)
     print(f"without WAIT: {len(probe.acknowledged)} acknowledged, {probe.refused} refused, {len(missing)} lost")
-    assert len(missing) < len(probe.acknowledged)
+    assert 0 < len(missing) < len(probe.acknowledged)
 
 
 # The unwind -------------------------------------------------------------------------------------
@@ -181,6 +190,7 @@ def test_an_unwind_in_flight_finishes_last_first_through_a_sentinel_failover(
             asyncio.run(before())
             wait_for(lambda: refunds(ledger), 60, "the first refund")
             old = group.kill_primary()
+            assert len(refunds(ledger)) < WORKFLOWS * STEPS  # the unwinds are still in flight
             # A workflow whose steps and failure are written while the primary is gone and after.
             across = threading.Thread(
                 target=lambda: asyncio.run(failing_workflow("order-across", group.url, payments, config))
