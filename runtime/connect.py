@@ -129,6 +129,38 @@ def redact(url: str) -> str:
     return url
 
 
+class FollowingConnection(redis.sentinel.SentinelManagedConnection):
+    """A primary's connection that asks the sentinels where the primary is on every socket connect.
+
+    redis-py 8 retries a failed command by reconnecting the same connection through
+    `connect_check_health`, which reuses the address it had: after a failover that is the dead
+    primary, for the whole retry budget (16 s measured with 20 retries), and the command fails
+    although a new primary took over within 3 s. Only connects the pool starts itself asked.
+    """
+
+    def _connect(self) -> Any:
+        if self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+        return super()._connect()
+
+
+class FollowingSSLConnection(FollowingConnection, redis.sentinel.SentinelManagedSSLConnection):
+    pass
+
+
+class AsyncFollowingConnection(redis.asyncio.sentinel.SentinelManagedConnection):
+    """The same for redis.asyncio."""
+
+    async def _connect(self) -> None:
+        if self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super()._connect()
+
+
+class AsyncFollowingSSLConnection(AsyncFollowingConnection, redis.asyncio.sentinel.SentinelManagedSSLConnection):
+    pass
+
+
 def _sentinel_kwargs(target: SentinelTarget) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
     if target.sentinel_password:
@@ -138,14 +170,12 @@ def _sentinel_kwargs(target: SentinelTarget) -> dict[str, Any]:
     return kwargs
 
 
-def _node_kwargs(target: SentinelTarget, kwargs: dict[str, Any]) -> dict[str, Any]:
-    node = {"db": target.db, **kwargs}
+def _node_kwargs(target: SentinelTarget, kwargs: dict[str, Any], plain: type, tls: type) -> dict[str, Any]:
+    node = {"db": target.db, **kwargs, "connection_class": tls if target.tls else plain}
     if target.username:
         node["username"] = target.username
     if target.password:
         node["password"] = target.password
-    if target.tls:
-        node["ssl"] = True
     return node
 
 
@@ -155,7 +185,9 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
         return redis.Redis.from_url(url, **kwargs)
     target = parse_sentinel_url(url)
     sentinel = redis.sentinel.Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target))
-    return sentinel.master_for(target.master, **_node_kwargs(target, kwargs))
+    return sentinel.master_for(
+        target.master, **_node_kwargs(target, kwargs, FollowingConnection, FollowingSSLConnection)
+    )
 
 
 def connect_async(url: str, **kwargs: Any) -> redis.asyncio.Redis:
@@ -164,4 +196,6 @@ def connect_async(url: str, **kwargs: Any) -> redis.asyncio.Redis:
         return redis.asyncio.Redis.from_url(url, **kwargs)
     target = parse_sentinel_url(url)
     sentinel = redis.asyncio.sentinel.Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target))
-    return sentinel.master_for(target.master, **_node_kwargs(target, kwargs))
+    return sentinel.master_for(
+        target.master, **_node_kwargs(target, kwargs, AsyncFollowingConnection, AsyncFollowingSSLConnection)
+    )

@@ -93,6 +93,10 @@ class Link:
     def hold(self) -> None:
         self.held.set()
 
+    def relaying(self) -> bool:
+        with self._lock:
+            return bool(self._pending)
+
     def release(self) -> None:
         with self._lock:
             self.held.clear()
@@ -173,6 +177,8 @@ class SentinelGroup:
         assert node.process is not None
         node.process.send_signal(signal.SIGKILL)
         node.process.wait(10)
+        if any(link.held.is_set() for link in self.links):  # held bytes die with their sender, not after
+            wait_for(lambda: not any(link.relaying() for link in self.links), 10, "the links to see the primary die")
         return node
 
     @contextlib.contextmanager
