@@ -9,8 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
-from mcp_saga.runtime.connect import connect, resolve_url
+from mcp_saga.runtime.connect import connect
 from mcp_saga.runtime.reader import Reader
+from mcp_saga.runtime.sentinel import resolve_url
 from mcp_saga.schemas.config import Config, load_config
 from mcp_saga.schemas.keys import Keys
 from redis.exceptions import ConnectionError as RedisConnectionError

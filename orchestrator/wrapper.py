@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import redis.asyncio as aioredis
 from mcp_saga.runtime import tracing
-from mcp_saga.runtime.connect import connect_async, is_sentinel_url, parse_sentinel_url, sentinel_url
+from mcp_saga.runtime.connect import connect_async
 from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, clip, step_entry, workflow_failed
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
+from mcp_saga.runtime.sentinel import is_sentinel_url, parse_sentinel_url, sentinel_url
 from mcp_saga.schemas.events import (
     FailedStep,
     TraceContext,
@@ -104,7 +105,7 @@ class Workflow:
     (the coordinator applies the same rule; recording it here tells every other reader of the
     stream too), and the config's prefix names the stream.
 
-    `redis` may be a `redis+sentinel://` URL (runtime/connect.py); with a config and no URL, its
+    `redis` may be a `redis+sentinel://` URL (runtime/sentinel.py); with a config and no URL, its
     `[redis] sentinels` name the Redis. The config's `[redis] wait_replicas` makes each event count
     as written only once that many replicas confirmed it (runtime/durability.py).
     """

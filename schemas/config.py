@@ -193,7 +193,7 @@ class GatewaySettings(_Strict):
 class RedisSettings(_Strict):
     """Where Redis is when Sentinel names it, and how durable a write must be before it counts.
 
-    `sentinels` + `master` are the config form of a `redis+sentinel://` URL (runtime/connect.py):
+    `sentinels` + `master` are the config form of a `redis+sentinel://` URL (runtime/sentinel.py):
     every process then asks the sentinels for the current primary and follows a failover.
     `wait_replicas` > 0 makes publishers and the coordinator call WAIT after their writes and treat
     a write fewer replicas confirmed within `wait_timeout_ms` as not acknowledged (README "Failover").

@@ -1,4 +1,4 @@
-"""How a user names a Sentinel-managed Redis, and the errors a mistake gets (runtime/connect.py, [redis])."""
+"""How a user names a Sentinel-managed Redis, and the errors a mistake gets (runtime/sentinel.py, [redis])."""
 
 from __future__ import annotations
 
@@ -7,20 +7,19 @@ import argparse
 import pytest
 import redis
 from mcp_saga.cli.args import CliError, redis_url
-from mcp_saga.runtime.connect import (
+from mcp_saga.runtime.connect import connect, connect_async
+from mcp_saga.runtime.durability import Durability, NotReplicated
+from mcp_saga.runtime.publish import Publisher
+from mcp_saga.runtime.redis_checks import healing_condition
+from mcp_saga.runtime.sentinel import (
     AsyncFollowingConnection,
     FollowingConnection,
     FollowingSSLConnection,
-    connect,
-    connect_async,
     parse_sentinel_url,
     redact,
     resolve_url,
     sentinel_url,
 )
-from mcp_saga.runtime.durability import Durability, NotReplicated
-from mcp_saga.runtime.publish import Publisher
-from mcp_saga.runtime.redis_checks import healing_condition
 from mcp_saga.schemas.config import ConfigError, RedisSettings, parse_config
 from mcp_saga.schemas.events import WorkflowCompleted
 
