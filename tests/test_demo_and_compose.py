@@ -52,6 +52,8 @@ def test_compose_runs_only_commands_that_exist() -> None:
                 parse_args(command[2].split(".")[1], command[3:])
         elif command[0] == "redis-server":
             assert "--appendonly" in command and command[command.index("--appendonly") + 1] == "yes"
+        elif command[:2] == ["sh", "-c"] and "--sentinel" in command[2]:  # the sentinel profile writes its config
+            assert "sentinel monitor mymaster redis 6379" in command[2]
         else:
             raise AssertionError(f"unexpected command {command}")
         checked += 1
@@ -67,3 +69,8 @@ def test_compose_config_is_a_valid_saga_config() -> None:
     for name in config.servers:
         assert name in compose["services"], f"{name} in deploy/saga.toml has no compose service"
     assert "worker" in compose["services"] and "deploy" not in compose["services"]["worker"]  # scalable
+    sentinel = {name: s for name, s in compose["services"].items() if "sentinel" in s.get("profiles", [])}
+    assert {"redis-replica", "sentinel", "coordinator-sentinel", "worker-sentinel"} <= set(sentinel)
+    from mcp_saga.runtime.sentinel import parse_sentinel_url
+
+    assert parse_sentinel_url(sentinel["coordinator-sentinel"]["environment"]["REDIS_URL"]).master == "mymaster"
