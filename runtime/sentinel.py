@@ -26,11 +26,10 @@ import redis
 import redis.asyncio
 import redis.asyncio.sentinel
 import redis.sentinel
-from mcp_saga.schemas.config import ConfigError, RedisSettings
+from mcp_saga.schemas.config import MASTER_NAME, SENTINEL_ADDRESS, ConfigError, RedisSettings
 
 SCHEMES = ("redis+sentinel", "redis+sentinels")
-_ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})$")
-_MASTER = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_MASTER = re.compile(MASTER_NAME)
 DEFAULT_SENTINEL_PORT = 26379
 
 
@@ -72,7 +71,7 @@ def parse_sentinel_url(url: str, *, where: str = "the Redis URL") -> SentinelTar
         address = address.strip()
         if address and ":" not in address.strip("[]"):
             address = f"{address}:{DEFAULT_SENTINEL_PORT}"
-        match = _ADDRESS.match(address)
+        match = SENTINEL_ADDRESS.match(address)
         if not match or not 1 <= int(match["port"]) <= 65535:
             raise ConfigError(f"{where}: sentinel address {address!r} is not host:port")
         sentinels.append((match["host"].strip("[]"), int(match["port"])))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -190,6 +191,11 @@ class GatewaySettings(_Strict):
         return self
 
 
+# A sentinel's address and a monitored primary's name, in the config and in redis+sentinel:// URLs alike.
+SENTINEL_ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})$")
+MASTER_NAME = r"^[A-Za-z0-9._-]{1,128}$"
+
+
 class RedisSettings(_Strict):
     """Where Redis is when Sentinel names it, and how durable a write must be before it counts.
 
@@ -202,7 +208,7 @@ class RedisSettings(_Strict):
     # Run even though the server's maxmemory-policy may delete keys (see runtime/redis_checks.py).
     allow_eviction: bool = False
     sentinels: list[str] = Field(default_factory=list)
-    master: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
+    master: str | None = Field(default=None, pattern=MASTER_NAME)
     db: int = Field(default=0, ge=0, le=15)
     wait_replicas: int = Field(default=0, ge=0, le=16)
     wait_timeout_ms: int = Field(default=1000, ge=1, le=60_000)
@@ -211,8 +217,8 @@ class RedisSettings(_Strict):
     @classmethod
     def _host_ports(cls, sentinels: list[str]) -> list[str]:
         for i, address in enumerate(sentinels):
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 1 <= int(port) <= 65535 or "/" in host or "@" in host:
+            match = SENTINEL_ADDRESS.match(address)
+            if not match or not 1 <= int(match["port"]) <= 65535:
                 raise ValueError(f"entry {i} ({address!r}) is not host:port (a sentinel, e.g. '10.0.0.5:26379')")
         return sentinels
 

@@ -15,9 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import httpx2
 import pytest
 import redis
 from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 from mcp_saga.examples.ledger import read_state
 from mcp_saga.runtime.connect import connect
 from mcp_saga.runtime.durability import Durability
@@ -25,7 +27,7 @@ from mcp_saga.runtime.publish import Publisher
 from mcp_saga.schemas.config import Config, dump_config, parse_config
 from mcp_saga.schemas.events import WorkflowCompleted
 from mcp_saga.schemas.keys import Keys
-from processes import saga_process, start_http_server, stop_all, wait_for
+from processes import free_port, saga_process, start_http_server, stop_all, wait_for, wait_until_accepting
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 from sentinels import SentinelGroup, sentinel_group
@@ -33,6 +35,7 @@ from sentinels import SentinelGroup, sentinel_group
 import mcp_saga
 
 K = Keys()
+TOKEN = "failover-token-" + "x" * 16
 LAG = 0.3  # seconds the replication links stall before the primary is killed
 PROBE = Keys("probe")  # the probe's stream: no coordinator reads or trims it, so every entry stays to be counted
 
@@ -138,10 +141,11 @@ def test_without_wait_a_failover_loses_what_the_lagging_replica_had_not_received
 WORKFLOWS, STEPS = 4, 3
 
 
-def config_toml(tmp_path: Path, payments: str, wait_replicas: int) -> tuple[Path, Config]:
+def config_toml(tmp_path: Path, payments: str, wait_replicas: int, gateway_port: int) -> tuple[Path, Config]:
     config = parse_config(
         {
             "servers": {"payments": {"url": payments, "timeout": 5}},
+            "gateway": {"port": gateway_port, "token_env": "GW_TOKEN", "tools": True},
             "coordinator": {"block_ms": 100, "claim_idle_ms": 1000, "barrier_grace": 5, "watchdog_after": 4},
             "worker": {"backoff_base": 0.1, "backoff_max": 1, "jitter": 0, "lease": 5, "concurrency": 2},
             "redis": {"wait_replicas": wait_replicas, "wait_timeout_ms": 500},
@@ -161,6 +165,23 @@ async def failing_workflow(workflow: str, url: str, payments: str, config: Any) 
                 raise RuntimeError("the order fell through")
 
 
+async def gateway_workflow(workflow: str, gateway: str) -> None:
+    """Three charges and `saga_fail` through the gateway; a call it refuses while Redis is away is made again."""
+    headers = {"Authorization": f"Bearer {TOKEN}", "Saga-Workflow": workflow}
+    async with (
+        httpx2.AsyncClient(headers=headers) as http,
+        Client(streamable_http_client(f"{gateway}/mcp/payments", http_client=http)) as client,
+    ):
+        for n in range(STEPS):
+            for _ in range(100):
+                result = await client.call_tool("charge_payment", {"orderId": f"{workflow}/{n}", "amount": 1.0})
+                if not result.is_error:
+                    break
+                await asyncio.sleep(0.2)  # refused: the gateway could not have recorded it
+            assert not result.is_error, result
+        assert not (await client.call_tool("saga_fail", {"reason": "the order fell through"})).is_error
+
+
 def status(r: redis.Redis, workflow: str) -> str | None:
     raw = r.hget(K.state(workflow), "status")
     return raw.decode() if raw else None
@@ -169,7 +190,7 @@ def status(r: redis.Redis, workflow: str) -> str | None:
 def logs(tmp_path: Path, group: SentinelGroup) -> str:
     parts = [
         f"--- {name}\n{(tmp_path / name).read_text(errors='replace')[-3000:]}"
-        for name in ("coordinator.log", "worker.log")
+        for name in ("coordinator.log", "worker.log", "gateway.log")
         if (tmp_path / name).exists()
     ]
     return "\n".join([*parts, f"--- sentinel\n{group.sentinel_log()}"])
@@ -185,17 +206,21 @@ def test_an_unwind_in_flight_finishes_last_first_through_a_sentinel_failover(
 ) -> None:
     """SIGKILL the primary while several unwinds run; Sentinel promotes a replica; all of them finish.
 
-    The coordinator and the worker follow the new primary (the Sentinel URL, READONLY or a refused
-    connection is an outage they wait out); a workflow the SDK runs across the failover is unwound
-    too; each order's charges are refunded exactly once, newest first. With WAIT on, the
-    coordinator dispatches nothing the replica has not confirmed.
+    The coordinator, the worker and the gateway follow the new primary (the Sentinel URL; READONLY
+    or a refused connection is an outage they wait out); a workflow the SDK runs across the
+    failover and one through the gateway after it are unwound too, and `saga inspect` reads the
+    result through the same URL; each order's charges are refunded exactly once, newest first.
+    With WAIT on, the coordinator dispatches nothing the replica has not confirmed.
     """
     ledger = tmp_path / "payments.db"
     with start_http_server("mcp_saga.examples.payments", "--db", str(ledger), "--delay", "0.3") as (_, payments):
-        path, config = config_toml(tmp_path, payments, wait_replicas=1)
+        port = free_port()
+        path, config = config_toml(tmp_path, payments, wait_replicas=1, gateway_port=port)
+        env = {"GW_TOKEN": TOKEN}
         procs = [
             saga_process("coordinator", redis_url=group.url, config=path, log=tmp_path / "coordinator.log"),
             saga_process("worker", redis_url=group.url, config=path, log=tmp_path / "worker.log"),
+            saga_process("gateway", redis_url=group.url, config=path, env=env, log=tmp_path / "gateway.log"),
         ]
         try:
             names = [f"order-{n}" for n in range(WORKFLOWS)]
@@ -203,6 +228,7 @@ def test_an_unwind_in_flight_finishes_last_first_through_a_sentinel_failover(
             async def before() -> None:
                 await asyncio.gather(*(failing_workflow(w, group.url, payments, config) for w in names))
 
+            wait_until_accepting("127.0.0.1", port, procs[2])
             asyncio.run(before())
             wait_for(lambda: refunds(ledger), 60, "the first refund")
             old = group.kill_primary()
@@ -215,7 +241,9 @@ def test_an_unwind_in_flight_finishes_last_first_through_a_sentinel_failover(
             group.wait_for_promotion(old)
             across.join(120)
             assert not across.is_alive()
-            names.append("order-across")
+            # The gateway's connection was to the dead primary: its calls go through again.
+            asyncio.run(gateway_workflow("order-gateway", f"http://127.0.0.1:{port}"))
+            names += ["order-across", "order-gateway"]
             r = client_for(group.url)
             wait_for(
                 lambda: all(status(r, w) == "compensated" for w in names),
@@ -223,6 +251,11 @@ def test_an_unwind_in_flight_finishes_last_first_through_a_sentinel_failover(
                 f"every unwind to finish: {[status(r, w) for w in names]}\n{logs(tmp_path, group)}",
             )
             assert all(p.poll() is None for p in procs), logs(tmp_path, group)
+            inspect = saga_process(
+                "inspect", "order-gateway", redis_url=group.url, config=path, log=tmp_path / "cli.log"
+            )
+            assert inspect.wait(60) == 0, (tmp_path / "cli.log").read_text()
+            assert "compensated" in (tmp_path / "cli.log").read_text()
         finally:
             stop_all(*procs)
 
