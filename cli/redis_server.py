@@ -83,8 +83,8 @@ class RedisServer:
     appendonly: bool = False
     directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="saga-redis-")))
     process: subprocess.Popen[bytes] | None = None
-    # More `--option value` pairs, e.g. ("--replicaof", "127.0.0.1 6379") for a replica.
-    extra_args: tuple[str, ...] = ()
+    # More `redis-server` options (a cluster node's, say).
+    extra: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -101,7 +101,7 @@ class RedisServer:
             "--appendfsync", "everysec",
             "--daemonize", "no",
             "--loglevel", "warning",
-            *self.extra_args,
+            *self.extra,
         ]  # fmt: skip
         log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 - owned by the child
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -129,14 +129,14 @@ class SentinelGroup:
         binary = find_redis_server()
         assert binary, "the suite needs a redis-server (see README)"
         # No 5 s wait before a diskless full sync (Redis's default): a replica is in sync at once.
-        quick = ("--repl-diskless-sync-delay", "0")
-        primary = RedisServer(binary, directory=self._dir("node0"), extra_args=quick).start()
+        quick = ["--repl-diskless-sync-delay", "0"]
+        primary = RedisServer(binary, directory=self._dir("node0"), extra=quick).start()
         self.nodes.append(primary)
         for n in range(1, self.replicas + 1):
             link = Link(primary.port)
             self.links.append(link)
             replica = RedisServer(
-                binary, directory=self._dir(f"node{n}"), extra_args=(*quick, "--replicaof", f"{HOST} {link.port}")
+                binary, directory=self._dir(f"node{n}"), extra=[*quick, "--replicaof", f"{HOST} {link.port}"]
             )
             self.nodes.append(replica.start())
         for node in self.nodes[1:]:
