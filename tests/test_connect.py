@@ -125,3 +125,35 @@ def test_a_publisher_with_durability_sends_wait_with_each_event_and_refuses_an_u
         Publisher(r, durability=Durability(replicas=1, timeout_ms=1)).publish("w-1", WorkflowCompleted())
     assert r.xlen("saga:events") >= 2  # re-sent while unconfirmed: the coordinator folds copies to no change
     assert Publisher(r).publish("w-2", WorkflowCompleted())  # without durability, no WAIT
+
+
+def test_a_coordinator_with_durability_dispatches_and_acknowledges_nothing_the_replicas_did_not_confirm(
+    r: redis.Redis,
+) -> None:
+    """The test server has no replica, so every WAIT falls short: the batch stays pending, no job is queued.
+
+    Without durability the same batch is committed, dispatched and acknowledged (the control).
+    """
+    from mcp_saga.coordinator.consumer import Coordinator
+    from mcp_saga.schemas.events import StepCompleted, WorkflowFailed, entry_fields
+    from mcp_saga.schemas.keys import Keys
+    from rq import Queue
+
+    keys = Keys()
+    recovery = {"strategy": "compensation", "compensatingOperation": {"operationId": "undo", "parameters": {}}}
+    step = StepCompleted(step="a", server="svc", tool="do", result={"structuredContent": {}}, recovery=recovery)
+    for payload in (step, WorkflowFailed(reason="boom")):
+        r.xadd(keys.events, entry_fields("durable-1", payload))
+    settings = {"coordinator": {"block_ms": 10}}
+    durable = Coordinator(r, parse_config({**settings, "redis": {"wait_replicas": 1, "wait_timeout_ms": 10}}), "d")
+    durable.ensure_group()
+    with pytest.raises(NotReplicated):
+        durable.step()
+    assert healing_condition(NotReplicated("NOREPLICAS x")) == "NOREPLICAS"  # the run loop waits it out
+    assert Queue(keys.queue, connection=r).count == 0
+    assert r.xpending(keys.events, keys.group)["pending"] == 2  # nothing acknowledged
+
+    plain = Coordinator(r, parse_config(settings), "d")  # the same consumer: its pending entries first
+    plain.process(plain._read("0"), redelivered=True)
+    assert Queue(keys.queue, connection=r).count == 1
+    assert r.xpending(keys.events, keys.group)["pending"] == 0
