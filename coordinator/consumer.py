@@ -61,7 +61,7 @@ class Coordinator:
         self.settings = config.coordinator
         self.keys = Keys(config.prefix)
         self.machine = Machine(config, prefix=config.prefix)
-        self.store = Store(redis, self.keys, self.settings, Durability.of(config.redis))
+        self.store = Store(redis, self.keys, self.settings, durability=Durability.of(config.redis))
         self.queue = queue_for(redis, self.keys.queue)
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.stopping = False

@@ -63,7 +63,7 @@ def load_script(name: str) -> str:
 
 class Store:
     def __init__(
-        self, redis: Redis, keys: Keys, settings: CoordinatorSettings, durability: Durability | None = None
+        self, redis: Redis, keys: Keys, settings: CoordinatorSettings, *, durability: Durability | None = None
     ) -> None:
         self.redis = redis
         self.keys = keys

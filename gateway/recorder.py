@@ -52,7 +52,7 @@ class Recorder:
         retry_for: float = 10.0,
         durability: Durability | None = None,
     ) -> None:
-        self.publisher = AsyncPublisher(redis, prefix, durability)
+        self.publisher = AsyncPublisher(redis, prefix, durability=durability)
         self.retry_for = retry_for
         self.workflows: dict[str, _Workflow] = {}
         self._healthy = True

@@ -169,7 +169,7 @@ class Workflow:
         retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
         connection = connect_async(self._url, retry=retry) if self._url is not None else self._redis
         durability = Durability.of(self.config.redis) if self.config is not None else None
-        self.publisher = AsyncPublisher(connection, self._prefix, durability)
+        self.publisher = AsyncPublisher(connection, self._prefix, durability=durability)
         self._span = tracing.workflow_span(self.id)
         self._state = "open"
         return self

@@ -250,7 +250,7 @@ class _Base:
     seconds, then `NotReplicated` is raised and the caller's own handling of a failed write applies
     (the gateway's retries and refusal, the SDK's `StepNotRecorded`)."""
 
-    def __init__(self, redis: Any, prefix: str = "saga", durability: Durability | None = None) -> None:
+    def __init__(self, redis: Any, prefix: str = "saga", *, durability: Durability | None = None) -> None:
         self.redis = redis
         self.stream = Keys(prefix).events
         self.durability = durability

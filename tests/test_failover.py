@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -56,7 +56,7 @@ class Probe(threading.Thread):
 
     def __init__(self, url: str, durability: Durability | None) -> None:
         super().__init__(daemon=True)
-        self.publisher = Publisher(client_for(url), "probe", durability)
+        self.publisher = Publisher(client_for(url), "probe", durability=durability)
         self.acknowledged: list[str] = []
         self.refused = 0
         self.halt = threading.Event()
@@ -156,12 +156,18 @@ def config_toml(tmp_path: Path, payments: str, wait_replicas: int, gateway_port:
     return path, config
 
 
-async def failing_workflow(workflow: str, url: str, payments: str, config: Any) -> None:
+async def failing_workflow(
+    workflow: str, url: str, payments: str, config: Any, after_first: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """STEPS charges, then a failure; `after_first` runs once the first step is confirmed written."""
     async with Client(payments) as client:
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match="fell through"):
             async with mcp_saga.workflow(workflow, redis=url, servers={"payments": client}, config=config) as wf:
                 for n in range(STEPS):
                     await wf.call("payments", "charge_payment", {"orderId": f"{workflow}/{n}", "amount": 1.0})
+                    if n == 0 and after_first is not None:
+                        await wf.flush()
+                        await after_first()
                 raise RuntimeError("the order fell through")
 
 
@@ -207,8 +213,8 @@ def test_an_unwind_in_flight_finishes_last_first_through_a_sentinel_failover(
     """SIGKILL the primary while several unwinds run; Sentinel promotes a replica; all of them finish.
 
     The coordinator, the worker and the gateway follow the new primary (the Sentinel URL; READONLY
-    or a refused connection is an outage they wait out); a workflow the SDK runs across the
-    failover and one through the gateway after it are unwound too, and `saga inspect` reads the
+    or a refused connection is an outage they wait out); a workflow the SDK writes on both sides of
+    the failover and one through the gateway after it are unwound too, and `saga inspect` reads the
     result through the same URL; each order's charges are refunded exactly once, newest first.
     With WAIT on, the coordinator dispatches nothing the replica has not confirmed.
     """
@@ -230,15 +236,26 @@ def test_an_unwind_in_flight_finishes_last_first_through_a_sentinel_failover(
 
             wait_until_accepting("127.0.0.1", port, procs[2])
             asyncio.run(before())
+            # One SDK workflow spans the failover: its first step on the old primary, the rest and its
+            # failure through the same connection pool on the new one.
+            first_written, promoted = threading.Event(), threading.Event()
+
+            async def across_the_failover() -> None:
+                first_written.set()
+                assert await asyncio.to_thread(promoted.wait, 120)
+
+            across = threading.Thread(
+                target=lambda: asyncio.run(
+                    failing_workflow("order-across", group.url, payments, config, across_the_failover)
+                )
+            )
+            across.start()
+            assert first_written.wait(60)
             wait_for(lambda: refunds(ledger), 60, "the first refund")
             old = group.kill_primary()
             assert len(refunds(ledger)) < WORKFLOWS * STEPS  # the unwinds are still in flight
-            # A workflow whose steps and failure are written while the primary is gone and after.
-            across = threading.Thread(
-                target=lambda: asyncio.run(failing_workflow("order-across", group.url, payments, config))
-            )
-            across.start()
             group.wait_for_promotion(old)
+            promoted.set()
             across.join(120)
             assert not across.is_alive()
             # The gateway's connection was to the dead primary: its calls go through again.
