@@ -379,3 +379,4 @@ def test_a_front_end_reads_the_current_trace_for_its_events() -> None:
     context = span.get_span_context()
     assert carried is not None
     assert carried.traceparent == f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
