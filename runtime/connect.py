@@ -83,3 +83,11 @@ def check_layout(client: Client, keys: Keys) -> None:
             f"this Redis holds data written with {int(recorded)} partition(s) ({keys.layout}), but the config "
             f"says [redis] partitions = {keys.partitions}: set it back, or migrate (README: Running on Redis Cluster)"
         )
+
+
+def node_of(client: object, key: str) -> str | None:
+    """`host:port` of the primary holding `key` on a cluster; None on a single Redis (it holds everything)."""
+    if not isinstance(client, RedisCluster):
+        return None
+    node = client.get_node_from_key(key)
+    return f"{node.host}:{node.port}" if node is not None else None
