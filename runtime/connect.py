@@ -70,17 +70,22 @@ def check_layout(client: Client, keys: Keys) -> None:
     """Refuse to run with another partition count than the data was written with.
 
     Publishers route by the count, and a coordinator reads only its partitions' streams: two
-    counts in one deployment would leave events in streams nobody reads. The first process to
-    start records its count (`saga:partitions`); changing it is a migration (README, "Running on
-    Redis Cluster"), not a restart.
+    counts in one deployment would leave events in streams nobody reads. A deployment of several
+    partitions records its count (`saga:partitions`); none recorded means one, as every deployment
+    before partitions was, so a single-partition process writes nothing here (and starts under OOM).
+    Changing the count is a migration (README, "Running on Redis Cluster"), not a restart.
     """
-    recorded = client.get(keys.layout)  # read first: a Redis out of memory refuses the SET even when it is there
-    if recorded is None:
-        client.set(keys.layout, keys.partitions, nx=True)
-        recorded = client.get(keys.layout)
-    if recorded is not None and int(recorded) != keys.partitions:
+    recorded = client.get(keys.layout)
+    if recorded is None and keys.partitions > 1:
+        if client.exists(Keys(keys.prefix).events):  # a one-partition deployment's stream is here
+            recorded = b"1"
+        else:
+            client.set(keys.layout, keys.partitions, nx=True)
+            recorded = client.get(keys.layout)
+    found = int(recorded) if recorded is not None else 1
+    if found != keys.partitions:
         raise RedisSetupError(
-            f"this Redis holds data written with {int(recorded)} partition(s) ({keys.layout}), but the config "
+            f"this Redis holds data written with {found} partition(s) ({keys.layout}), but the config "
             f"says [redis] partitions = {keys.partitions}: set it back, or migrate (README: Running on Redis Cluster)"
         )
 

@@ -218,3 +218,22 @@ def test_a_coordinator_configured_with_another_partition_count_refuses_to_start(
         stop(proc)
     text = (tmp_path / "c.log").read_text()
     assert "written with 3 partition(s)" in text and "[redis] partitions = 2" in text
+
+
+def test_the_partition_count_is_recorded_and_a_one_partition_deployment_is_recognised() -> None:
+    import fakeredis
+    from mcp_saga.runtime.connect import check_layout
+    from mcp_saga.runtime.redis_checks import RedisSetupError
+
+    r = fakeredis.FakeRedis()
+    check_layout(r, Keys())
+    assert r.get(K.layout) is None  # one partition writes nothing: it starts on a Redis out of memory too
+    r.xadd(Keys().events, {"type": "workflow-completed", "workflow": "w", "data": "{}"})
+    with pytest.raises(RedisSetupError, match="written with 1 partition"):
+        check_layout(r, K)  # today's stream holds events: switching to 3 is a migration
+    r.flushall()
+    check_layout(r, K)
+    assert r.get(K.layout) == b"3"
+    check_layout(r, K)
+    with pytest.raises(RedisSetupError, match=r"written with 3 partition\(s\).*partitions = 1"):
+        check_layout(r, Keys())
