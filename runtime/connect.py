@@ -63,7 +63,20 @@ class Lua:
         """Run it on `client` (a pipeline, say), else on the client it was made for."""
         if self._script is not None:
             return self._script(keys=keys, args=args, client=client)
-        return (client or self.client).execute_command("EVAL", self.text, len(keys), *keys, *args)
+        return evaluate(client or self.client, self.text, keys, args)
+
+
+def evaluate(client: Any, text: str, keys: list[str] | tuple[str, ...], args: list[Any] | tuple[Any, ...]) -> Any:
+    """EVAL on a client or pipeline of either kind (the text each time: see the module's doc).
+
+    On a cluster the node is named up front: without it, redis-py 8's cluster pipeline asks the
+    server (COMMAND GETKEYS, one round trip per EVAL) where each script's keys are. A MOVED reply
+    (the slot moved meanwhile) is still followed: the retry routes by the keys.
+    """
+    options = {}
+    if is_cluster(client) and keys:
+        options["target_nodes"] = client.get_node_from_key(keys[0])
+    return client.execute_command("EVAL", text, len(keys), *keys, *args, **options)
 
 
 def check_layout(client: Client, keys: Keys) -> None:

@@ -174,6 +174,10 @@ def test_coordinators_workers_sdk_and_gateway_unwind_every_partition(
                 assert sorted(c["name"] for c in part["coordinators"]) == ["coord-a", "coord-b"]
             assert [p["stream"] for p in stats["partitions"]] == [k.events for k in K.every()]
 
+            assert main(["stats", "--redis", setup.url, "--config", str(path)]) == 0  # the table, too
+            table = capsys.readouterr().out
+            assert all(k.events in table for k in K.every()) and "coord-a" in table
+
             listed = saga(capsys, path, setup.url, "list", "--limit", "100")
             assert {row["workflow"]: row["status"] for row in listed} == want
 
