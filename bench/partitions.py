@@ -73,18 +73,36 @@ def readers(config: Config, url: str) -> int:
 
 
 def drain(
-    url: str, redis: dict[str, object], coordinators: int, workflows: int, steps: int, workdir: Path, flush: object
+    url: str,
+    redis: dict[str, object],
+    coordinators: int,
+    workflows: int,
+    steps: int,
+    workdir: Path,
+    flush: object,
+    pinned: bool = False,
 ) -> float:
-    """Events per second that `coordinators` processes ingest with this `[redis]` table."""
+    """Events per second that `coordinators` processes ingest with this `[redis]` table.
+
+    `pinned`: coordinator n reads only partition n (`--partition n`), else each reads them all.
+    """
     flush()  # type: ignore[operator]
     config = parse_config({"redis": redis, "coordinator": {"block_ms": 100}})
     path = write_config(config, workdir / "bench.toml")
     procs = [
-        saga_process("coordinator", "--name", f"c{n}", redis_url=url, config=path, log=workdir / f"c{n}.log")
+        saga_process(
+            "coordinator",
+            "--name",
+            f"c{n}",
+            *(("--partition", str(n)) if pinned else ()),
+            redis_url=url,
+            config=path,
+            log=workdir / f"c{n}.log",
+        )
         for n in range(coordinators)
     ]
     try:
-        want = config.redis.partitions * coordinators
+        want = config.redis.partitions if pinned else config.redis.partitions * coordinators
         wait_for(lambda: readers(config, url) >= want, timeout=60, what="coordinators joining every partition")
         started = time.perf_counter()
         events = publish(config, url, workflows, steps)
@@ -126,10 +144,9 @@ def run(workflows: int, steps: int, repeat: int) -> list[Row]:
             with redis_py.Redis.from_url(single.url) as s:
                 s.flushall()
 
-        def median(url: str, table: dict[str, object], coordinators: int, flush: object) -> float:
-            return statistics.median(
-                drain(url, table, coordinators, workflows, steps, workdir, flush) for _ in range(repeat)
-            )
+        def median(url: str, table: dict[str, object], coordinators: int, flush: object, pinned: bool = False) -> float:
+            runs = [drain(url, table, coordinators, workflows, steps, workdir, flush, pinned) for _ in range(repeat)]
+            return statistics.median(runs)
 
         base = median(single.url, {}, 1, flush_single)
         on_cluster = {"cluster": True, "queue_url": queue.url}
@@ -140,6 +157,9 @@ def run(workflows: int, steps: int, repeat: int) -> list[Row]:
             figures[(partitions, coordinators)] = rate = median(cluster.url, table, coordinators, flush_cluster)
             name = f"ingest, cluster, {partitions} partition(s), {coordinators} coordinator(s) (events/s)"
             rows.append(Row(name, rate, base, "measured", None))
+        pinned = median(cluster.url, {**on_cluster, "partitions": 3}, 3, flush_cluster, pinned=True)
+        name = "ingest, cluster, 3 partitions, 3 coordinators, one partition each (events/s)"
+        rows.append(Row(name, pinned, base, "measured", None))
         gain = figures[(3, 2)] / figures[(1, 2)]
         rows.append(
             Row("3 vs 1 partitions, two coordinators (ratio)", gain, None, "> 1: partitions spread the work", gain > 1)

@@ -32,7 +32,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     connection = connect(redis_url(args), config.redis)
     queue = connect_queue(redis_url(args), config.redis) if config.redis.queue_url else connection
     observe(config, "coordinator", args, connection, queue)
-    return 0 if early else run_partitions(connection, config, args.name, queue=queue)
+    return 0 if early else run_partitions(connection, config, args.name, queue=queue, only=args.partition)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coordinator", help="consume saga:events, keep workflow state, dispatch compensations")
     common(p)
     p.add_argument("--name", help="consumer name in the group (default: host-pid)")
+    p.add_argument(
+        "--partition",
+        type=int,
+        action="append",
+        metavar="N",
+        help="read only partition N (repeatable; default: every partition of [redis] partitions)",
+    )
     p.add_argument(
         "--metrics-port", type=int, help="serve Prometheus /metrics here (default: [metrics] port, else off)"
     )

@@ -127,3 +127,11 @@ def test_saga_partition_computes_the_route_from_the_config_alone(
     assert (found["slot"], found["partition"]) == (key_slot("order-42"), key_slot("order-42") % 3) == (9984, 0)
     assert found["events"] == "saga:events:{part-0}" and found["keys"][0] == "saga:{order-42}:state"
     assert main(["partition", "bad id!", "--config", str(config)]) == 2
+
+
+def test_a_coordinator_pinned_to_a_partition_outside_the_config_is_refused(r: redis.Redis) -> None:
+    from mcp_saga.coordinator.partitions import run_partitions
+    from mcp_saga.schemas.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--partition \[5\]: the config has 3 partition\(s\), 0..2"):
+        run_partitions(r, parse_config({"redis": {"partitions": 3}}), "c", only=[5])
