@@ -7,9 +7,9 @@ failovers by itself); RQ's queue through `connect_queue`, always a plain `Redis`
 not run on a cluster.
 
 `Lua` runs one script the same way on both: redis-py's cluster pipeline refuses EVALSHA and
-`eval()`, and a replica promoted by a failover has an empty script cache (SCRIPT LOAD is not
-replicated), so on a cluster the script text goes with each call (EVAL, which Redis caches by
-digest); on one Redis it stays redis-py's EVALSHA with the script loaded on NOSCRIPT.
+`eval()`, and a replica promoted by a failover need not have a script cached (Redis 7 does not
+replicate SCRIPT LOAD), so on a cluster the script text goes with each call (EVAL, which Redis
+caches by digest); on one Redis it stays redis-py's EVALSHA with the script loaded on NOSCRIPT.
 """
 
 from __future__ import annotations
