@@ -241,7 +241,7 @@ class Reader:
             for w in Worker.all(queue=Queue(keys.queue, connection=self.queue))
         ]
         consumers: dict[str, Consumer] = {}
-        for part in parts:  # a coordinator reads every partition: one row, its pending entries summed
+        for part in parts:  # a coordinator reading several partitions: one row, its pending entries summed
             for c in part.coordinators:
                 seen = consumers.get(c.name)
                 consumers[c.name] = (

@@ -36,6 +36,12 @@ class ClusterSetup:
     def client(self) -> RedisCluster:
         return RedisCluster.from_url(self.url)
 
+    def primary_of(self, key: str) -> RedisServer:
+        """The node process serving `key` now (what a failover test kills to take its slot's primary away)."""
+        with contextlib.closing(self.client()) as client:
+            port = client.get_node_from_key(key).port
+        return next(node for node in self.cluster.nodes if node.port == int(port))
+
     def flush(self) -> None:
         """Empty every primary and the queue: each test starts from nothing."""
         with contextlib.closing(self.client()) as client:

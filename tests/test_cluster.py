@@ -195,6 +195,7 @@ def test_coordinators_workers_sdk_and_gateway_unwind_every_partition(
             slot = client.cluster_keyslot(failing[0])
             assert (where["slot"], where["partition"]) == (slot, slot % PARTITIONS)
             assert where["node"] == client.get_node_from_key(K.state(failing[0])).name
+            assert where["node"].endswith(f":{setup.primary_of(K.state(failing[0])).port}")
 
             total = sum(client.xlen(k.outcomes) for k in K.every())
             watched = saga(capsys, path, setup.url, "watch", "--from-start", "--count", str(total))
