@@ -25,7 +25,12 @@ def _signal(kind: str) -> Callable[[argparse.Namespace], int]:
         from mcp_saga.runtime.publish import Publisher
 
         config = config_of(args)
-        publisher = Publisher(connect(redis_url(args)), config.prefix, durability=Durability.of(config.redis))
+        publisher = Publisher(
+            connect(redis_url(args), config.redis),
+            config.prefix,
+            config.redis.partitions,
+            durability=Durability.of(config.redis),
+        )
         try:
             if kind == "fail":
                 entry = publisher.workflow_failed(args.workflow, args.reason)

@@ -25,7 +25,7 @@ from mcp_saga.gateway.recorder import Recorder
 from mcp_saga.runtime.connect import connect_async
 from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.logs import get_logger
-from mcp_saga.schemas.config import Config, ConfigError
+from mcp_saga.schemas.config import Config, ConfigError, RedisSettings
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from starlette.applications import Starlette
@@ -75,15 +75,20 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def connect_redis(url: str) -> aioredis.Redis:
+def connect_redis(url: str, settings: RedisSettings | None = None) -> aioredis.Redis:
     # Retries as in the SDK: a Redis restart of a few milliseconds must not lose a step.
-    return connect_async(url, retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 3))
+    retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 3)
+    return connect_async(url, settings or RedisSettings(), retry=retry)  # type: ignore[return-value]
 
 
 def recorder_for(config: Config, url: str) -> Recorder:
-    settings = config.gateway
-    durability = Durability.of(config.redis)
-    return Recorder(connect_redis(url), config.prefix, retry_for=settings.publish_retry_for, durability=durability)
+    return Recorder(
+        connect_redis(url, config.redis),
+        config.prefix,
+        retry_for=config.gateway.publish_retry_for,
+        partitions=config.redis.partitions,
+        durability=Durability.of(config.redis),
+    )
 
 
 @contextlib.asynccontextmanager

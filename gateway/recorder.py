@@ -50,9 +50,10 @@ class Recorder:
         prefix: str = "saga",
         *,
         retry_for: float = 10.0,
+        partitions: int = 1,
         durability: Durability | None = None,
     ) -> None:
-        self.publisher = AsyncPublisher(redis, prefix, durability=durability)
+        self.publisher = AsyncPublisher(redis, prefix, partitions, durability=durability)
         self.retry_for = retry_for
         self.workflows: dict[str, _Workflow] = {}
         self._healthy = True
@@ -98,7 +99,7 @@ class Recorder:
         deadline, delay = time.monotonic() + self.retry_for, 0.05
         while True:
             try:
-                await self.publisher.add(fields, f"step {step!r} of {workflow!r}")
+                await self.publisher.add(workflow, fields, f"step {step!r} of {workflow!r}")
                 self._healthy = True
                 return
             except Exception as exc:

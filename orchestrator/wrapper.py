@@ -28,6 +28,7 @@ from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, clip, step_entry, workflow_failed
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
 from mcp_saga.runtime.sentinel import is_sentinel_url, parse_sentinel_url, sentinel_url
+from mcp_saga.schemas.config import RedisSettings
 from mcp_saga.schemas.events import (
     FailedStep,
     TraceContext,
@@ -167,9 +168,10 @@ class Workflow:
         # redis-py's from_url connects without retries (Redis() has them): without these, a Redis
         # restart of a few milliseconds fails every step written meanwhile. A repeated XADD is harmless.
         retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
-        connection = connect_async(self._url, retry=retry) if self._url is not None else self._redis
-        durability = Durability.of(self.config.redis) if self.config is not None else None
-        self.publisher = AsyncPublisher(connection, self._prefix, durability=durability)
+        settings = self.config.redis if self.config is not None else RedisSettings()
+        connection = connect_async(self._url, settings, retry=retry) if self._url is not None else self._redis
+        durability = Durability.of(settings)
+        self.publisher = AsyncPublisher(connection, self._prefix, settings.partitions, durability=durability)
         self._span = tracing.workflow_span(self.id)
         self._state = "open"
         return self
@@ -320,7 +322,7 @@ class Workflow:
             if previous is not None:
                 await asyncio.wait([previous])
             try:
-                await publisher.add(fields, f"step {step!r} of {self.id!r}")
+                await publisher.add(self.id, fields, f"step {step!r} of {self.id!r}")
             except Exception as exc:
                 log.error("step %r of workflow %r was not recorded: %r", step, self.id, exc)
                 self._write_error = self._write_error or (step, exc)

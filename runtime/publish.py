@@ -245,15 +245,23 @@ NOT_REPLICATED_RETRY_FOR = 5.0
 
 
 class _Base:
-    """`durability` (from `[redis] wait_replicas`): each XADD is followed by WAIT in the same round
+    """`partitions` must match the deployment's `[redis] partitions`: each event goes to the stream
+    of its workflow's partition (`Keys.partition_of`, CLUSTER KEYSLOT mod the count).
+
+    `durability` (from `[redis] wait_replicas`): each XADD is followed by WAIT in the same round
     trip; an event too few replicas confirmed is not acknowledged: it is sent again for a few
     seconds, then `NotReplicated` is raised and the caller's own handling of a failed write applies
     (the gateway's retries and refusal, the SDK's `StepNotRecorded`)."""
 
-    def __init__(self, redis: Any, prefix: str = "saga", *, durability: Durability | None = None) -> None:
+    def __init__(
+        self, redis: Any, prefix: str = "saga", partitions: int = 1, *, durability: Durability | None = None
+    ) -> None:
         self.redis = redis
-        self.stream = Keys(prefix).events
+        self.keys = Keys(prefix, partitions)
         self.durability = durability
+
+    def stream_for(self, workflow: str) -> str:
+        return self.keys.route(workflow).events
 
 
 def _entry_id(reply: Any) -> str:
@@ -266,16 +274,17 @@ class Publisher(_Base):
     redis: redis.Redis
 
     def publish(self, workflow: str, payload: Payload) -> str:
-        return self.add(checked_entry(workflow, payload), f"{payload.TYPE} of {workflow[:80]!r}")
+        return self.add(workflow, checked_entry(workflow, payload), f"{payload.TYPE} of {workflow[:80]!r}")
 
-    def add(self, entry: dict[bytes, bytes], what: str = "event") -> str:
-        """XADD one checked entry; with durability, retried while too few replicas confirm it."""
+    def add(self, workflow: str, entry: dict[bytes, bytes], what: str = "event") -> str:
+        """XADD one checked entry of `workflow`; with durability, retried while too few replicas confirm it."""
+        stream = self.stream_for(workflow)
         if self.durability is None:
-            return _entry_id(self.redis.xadd(self.stream, entry))  # type: ignore[arg-type]
+            return _entry_id(self.redis.xadd(stream, entry))  # type: ignore[arg-type]
         deadline, delay = time.monotonic() + NOT_REPLICATED_RETRY_FOR, 0.05
         while True:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(self.stream, entry)  # type: ignore[arg-type]
+            pipe.xadd(stream, entry)  # type: ignore[arg-type]
             self.durability.queue(pipe)
             entry_id, acknowledged = pipe.execute()
             try:
@@ -328,15 +337,16 @@ class AsyncPublisher(_Base):
     redis: redis.asyncio.Redis
 
     async def publish(self, workflow: str, payload: Payload) -> str:
-        return await self.add(checked_entry(workflow, payload), f"{payload.TYPE} of {workflow[:80]!r}")
+        return await self.add(workflow, checked_entry(workflow, payload), f"{payload.TYPE} of {workflow[:80]!r}")
 
-    async def add(self, entry: dict[bytes, bytes], what: str = "event") -> str:
+    async def add(self, workflow: str, entry: dict[bytes, bytes], what: str = "event") -> str:
+        stream = self.stream_for(workflow)
         if self.durability is None:
-            return _entry_id(await self.redis.xadd(self.stream, entry))  # type: ignore[arg-type]
+            return _entry_id(await self.redis.xadd(stream, entry))  # type: ignore[arg-type]
         deadline, delay = time.monotonic() + NOT_REPLICATED_RETRY_FOR, 0.05
         while True:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(self.stream, entry)  # type: ignore[arg-type]
+            pipe.xadd(stream, entry)  # type: ignore[arg-type]
             self.durability.queue(pipe)
             entry_id, acknowledged = await pipe.execute()
             try:

@@ -70,6 +70,8 @@ def test_the_config_form_is_the_same_url_and_both_at_once_is_a_mistake() -> None
         ({"sentinels": ["redis://h:1"], "master": "m"}, r"redis\.sentinels: entry 0"),
         ({"wait_replicas": -1}, r"redis\.wait_replicas"),
         ({"wait_timeout_ms": 0}, r"redis\.wait_timeout_ms"),
+        ({"cluster": True, "queue_url": "redis://q:1/0", "sentinels": ["h:1"], "master": "m"}, "keep one"),
+        ({"cluster": True, "queue_url": "redis://q:1/0", "wait_replicas": 1}, "not supported with cluster"),
     ],
 )
 def test_config_mistakes_name_the_field(section: dict, says: str) -> None:
@@ -89,13 +91,19 @@ def test_the_cli_takes_the_config_sentinels_when_no_url_is_given(tmp_path, monke
 
 
 def test_clients_for_a_sentinel_url_follow_the_primary_on_every_connect() -> None:
-    sync = connect("redis+sentinel://:pw@127.0.0.1:1/m/3")
+    sync = connect("redis+sentinel://:pw@127.0.0.1:1/m/3", RedisSettings())
     assert sync.connection_pool.connection_class is FollowingConnection
     assert sync.connection_pool.connection_kwargs["db"] == 3
     assert sync.connection_pool.connection_kwargs["password"] == "pw"
-    assert connect("redis+sentinels://127.0.0.1:1/m").connection_pool.connection_class is FollowingSSLConnection
-    assert connect_async("redis+sentinel://127.0.0.1:1/m").connection_pool.connection_class is AsyncFollowingConnection
-    assert type(connect("redis://127.0.0.1:1/0").connection_pool) is redis.ConnectionPool
+    assert (
+        connect("redis+sentinels://127.0.0.1:1/m", RedisSettings()).connection_pool.connection_class
+        is FollowingSSLConnection
+    )
+    assert (
+        connect_async("redis+sentinel://127.0.0.1:1/m", RedisSettings()).connection_pool.connection_class
+        is AsyncFollowingConnection
+    )
+    assert type(connect("redis://127.0.0.1:1/0", RedisSettings()).connection_pool) is redis.ConnectionPool
 
 
 def test_redact_hides_passwords() -> None:

@@ -24,7 +24,7 @@ from mcp_saga.examples.ledger import read_state
 from mcp_saga.runtime.connect import connect
 from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.publish import Publisher
-from mcp_saga.schemas.config import Config, dump_config, parse_config
+from mcp_saga.schemas.config import Config, RedisSettings, dump_config, parse_config
 from mcp_saga.schemas.events import WorkflowCompleted
 from mcp_saga.schemas.keys import Keys
 from processes import free_port, saga_process, start_http_server, stop_all, wait_for, wait_until_accepting
@@ -48,7 +48,7 @@ def group(tmp_path: Path) -> Iterator[SentinelGroup]:
 
 def client_for(url: str) -> redis.Redis:
     """Retries that outlast a failover (about 2-4 s here), as every saga process has."""
-    return connect(url, retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 20))
+    return connect(url, RedisSettings(), retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 20))
 
 
 class Probe(threading.Thread):
