@@ -29,7 +29,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from mcp_saga.runtime.connect import connect, connect_queue
 
     config = config_of(args)
-    connection = connect(redis_url(args), config.redis)
+    # A read must end even when the primary vanished without closing the connection (a partition,
+    # a failover): the longest a healthy reply takes is a blocking read or a WAIT, plus a margin.
+    longest = max(config.coordinator.block_ms, config.redis.wait_timeout_ms) / 1000
+    connection = connect(redis_url(args), config.redis, socket_timeout=longest + 5, socket_connect_timeout=5)
     queue = connect_queue(redis_url(args), config.redis) if config.redis.queue_url else connection
     observe(config, "coordinator", args, connection, queue)
     return 0 if early else run_partitions(connection, config, args.name, queue=queue, only=args.partition)
