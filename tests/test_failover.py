@@ -9,6 +9,7 @@ through the failover and counts the acknowledged ones the promoted replica does 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -29,6 +30,7 @@ from mcp_saga.schemas.events import WorkflowCompleted
 from mcp_saga.schemas.keys import Keys
 from processes import free_port, saga_process, start_http_server, stop_all, wait_for, wait_until_accepting
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 from sentinels import SentinelGroup, sentinel_group
 
@@ -147,7 +149,14 @@ def config_toml(tmp_path: Path, payments: str, wait_replicas: int, gateway_port:
             "servers": {"payments": {"url": payments, "timeout": 5}},
             "gateway": {"port": gateway_port, "token_env": "GW_TOKEN", "tools": True},
             "coordinator": {"block_ms": 100, "claim_idle_ms": 1000, "barrier_grace": 5, "watchdog_after": 4},
-            "worker": {"backoff_base": 0.1, "backoff_max": 1, "jitter": 0, "lease": 5, "concurrency": 2},
+            "worker": {
+                "backoff_base": 0.1,
+                "backoff_max": 2,
+                "jitter": 0,
+                "lease": 5,
+                "concurrency": 2,
+                "attempts": 10,
+            },
             "redis": {"wait_replicas": wait_replicas, "wait_timeout_ms": 500},
         }
     )
@@ -283,3 +292,75 @@ def test_an_unwind_in_flight_finishes_last_first_through_a_sentinel_failover(
     for workflow in names:
         mine = [o for o in refunded if o.startswith(f"{workflow}/")]
         assert mine == [f"{workflow}/{n}" for n in reversed(range(STEPS))], (workflow, mine)
+
+
+# The same on Redis Cluster -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_an_unwind_in_flight_finishes_last_first_when_a_cluster_primary_dies(
+    redis_cluster: Any, tmp_path: Path
+) -> None:
+    """SIGKILL the primary holding a failing workflow's keys mid-unwind; its replica takes the slots over.
+
+    The coordinator's and the SDK's RedisCluster clients follow MOVED to the promoted replica; the
+    queue lives on its own standalone Redis, as RQ needs. Every unwind finishes, newest step first,
+    each charge refunded once.
+    """
+    setup = redis_cluster
+    setup.flush()
+    ledger = tmp_path / "payments.db"
+    with start_http_server("mcp_saga.examples.payments", "--db", str(ledger), "--delay", "0.3") as (_, payments):
+        config = parse_config(
+            {
+                "servers": {"payments": {"url": payments, "timeout": 5}},
+                "coordinator": {"block_ms": 100, "claim_idle_ms": 1000, "barrier_grace": 5, "watchdog_after": 4},
+                "worker": {
+                    "backoff_base": 0.1,
+                    "backoff_max": 2,
+                    "jitter": 0,
+                    "lease": 5,
+                    "concurrency": 2,
+                    "attempts": 10,
+                },
+                "redis": setup.redis_settings(partitions=3),
+            }
+        )
+        path = tmp_path / "saga.toml"
+        path.write_text(dump_config(config))
+        procs = [
+            saga_process("coordinator", redis_url=setup.url, config=path, log=tmp_path / "coordinator.log"),
+            saga_process("worker", redis_url=setup.url, config=path, log=tmp_path / "worker.log"),
+        ]
+        keys = config.keys()
+        try:
+            names = [f"cluster-order-{n}" for n in range(WORKFLOWS)]
+
+            async def run_all() -> None:
+                await asyncio.gather(*(failing_workflow(w, setup.url, payments, config) for w in names))
+
+            asyncio.run(run_all())
+            wait_for(lambda: refunds(ledger), 60, "the first refund")
+            victim = setup.primary_of(keys.state(names[0]))
+            victim.stop(kill=True)
+            assert len(refunds(ledger)) < WORKFLOWS * STEPS  # the unwinds are still in flight
+            setup.cluster.wait_healthy(60)
+
+            def statuses() -> list[str | None]:
+                alive = next(n.url for n in setup.cluster.nodes if n is not victim)
+                try:  # the topology as it is now: until the replica takes over, its slots are unreachable
+                    with contextlib.closing(RedisCluster.from_url(alive)) as fresh:
+                        return [(fresh.hget(keys.state(w), "status") or b"").decode() or None for w in names]
+                except redis.RedisError:
+                    return []
+
+            wait_for(lambda: statuses() == ["compensated"] * WORKFLOWS, 120, f"every unwind: {statuses()}")
+            assert all(p.poll() is None for p in procs)
+        finally:
+            stop_all(*procs)
+    state = read_state(ledger)
+    order_of = {h["id"]: h["data"]["orderId"] for h in state["holdings"] if h["kind"] == "charge"}
+    refunded = [order_of[e["holding"]] for e in refunds(ledger)]
+    assert len(refunded) == len(set(refunded)) == WORKFLOWS * STEPS, refunded
+    for workflow in names:
+        assert [o for o in refunded if o.startswith(f"{workflow}/")] == [f"{workflow}/{n}" for n in (2, 1, 0)]
