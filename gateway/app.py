@@ -19,7 +19,8 @@ import anyio
 import redis.asyncio as aioredis
 from mcp.server.stdio import stdio_server
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
-from mcp.server.transport_security import TransportSecuritySettings
+from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
+from mcp_saga.gateway.passthrough import PassThrough, http_client
 from mcp_saga.gateway.proxy import Gateway
 from mcp_saga.gateway.recorder import Recorder
 from mcp_saga.runtime.logs import get_logger
@@ -105,7 +106,11 @@ async def _idle_sweeper(gateway: Gateway) -> None:
 
 
 def http_app(config: Config, redis_url: str, token: str | None) -> tuple[Starlette | BearerAuth, Gateway]:
-    """The ASGI app serving `/mcp/<server>` for every registry server, and the gateway behind it."""
+    """The ASGI app serving `/mcp/<server>` for every registry server, and the gateway behind it.
+
+    A server with a `url` gets the pass-through (`gateway.passthrough`); one the gateway must spawn
+    (`command`) is fronted by the SDK server of `gateway.proxy`, as over stdio.
+    """
     settings = config.gateway
     recorder = Recorder(connect_redis(redis_url), config.prefix, retry_for=settings.publish_retry_for)
     gateway = Gateway(config, recorder)
@@ -116,21 +121,27 @@ def http_app(config: Config, redis_url: str, token: str | None) -> tuple[Starlet
             allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
             allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"],
         )
+    http = http_client()
+    checks = TransportSecurityMiddleware(security) if security is not None else None
+    passed = {name: PassThrough(gateway, name, http, checks) for name, server in config.servers.items() if server.url}
     managers = {
         name: StreamableHTTPSessionManager(
             app=server, security_settings=security, session_idle_timeout=settings.idle_timeout
         )
         for name, server in gateway.endpoints.items()
+        if name not in passed
     }
-    routes = [Route(f"/mcp/{name}", endpoint=StreamableHTTPASGIApp(manager)) for name, manager in managers.items()]
+    routes = [Route(f"/mcp/{name}", endpoint=app) for name, app in passed.items()]
+    routes += [Route(f"/mcp/{name}", endpoint=StreamableHTTPASGIApp(manager)) for name, manager in managers.items()]
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(running(gateway))
+            await stack.enter_async_context(http)
             for manager in managers.values():
                 await stack.enter_async_context(manager.run())
-            log.info("gateway serving", servers=",".join(managers), host=settings.host, port=settings.port)
+            log.info("gateway serving", servers=",".join(config.servers), host=settings.host, port=settings.port)
             yield
 
     app = Starlette(routes=routes, lifespan=lifespan)
