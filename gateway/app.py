@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from mcp.server.stdio import stdio_server
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
-from mcp_saga.gateway.passthrough import PassThrough, http_client
+from mcp_saga.gateway.passthrough import PassThrough, Upstreams
 from mcp_saga.gateway.proxy import Gateway
 from mcp_saga.gateway.recorder import Recorder
 from mcp_saga.runtime.logs import get_logger
@@ -121,7 +121,7 @@ def http_app(config: Config, redis_url: str, token: str | None) -> tuple[Starlet
             allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
             allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"],
         )
-    http = http_client()
+    http = Upstreams()
     checks = TransportSecurityMiddleware(security) if security is not None else None
     passed = {name: PassThrough(gateway, name, http, checks) for name, server in config.servers.items() if server.url}
     managers = {
@@ -163,6 +163,7 @@ def serve_http(config: Config, redis_url: str, *, host: str | None = None, port:
             port=port if port is not None else settings.port,
             log_level="warning",
             lifespan="on",
+            http="httptools",
         )
     ).run()
     return 0
