@@ -24,7 +24,6 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-import aiohttp
 import mcp_types as types
 from mcp.server.transport_security import TransportSecurityMiddleware
 from mcp.shared.exceptions import MCPError
@@ -32,8 +31,10 @@ from mcp_saga.gateway import wire
 from mcp_saga.gateway.identity import NoWorkflow, resolve_workflow, session_workflow
 from mcp_saga.gateway.proxy import Gateway, stamped
 from mcp_saga.gateway.recorder import NotRecordable
+from mcp_saga.gateway.upstream import Target, UpstreamError, Upstreams
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.sessions import GATEWAY_CLIENT, client_info
+from mcp_saga.schemas.config import ConfigError
 from mcp_saga.schemas.events import WORKFLOW_HEADER, WORKFLOW_META_KEY
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from starlette.requests import Request
@@ -46,37 +47,7 @@ _REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"last-event-id"})
 _RESPONSE_HEADERS = frozenset({b"content-type", b"cache-control", b"content-length"})
 _METHODS = ("GET", "POST", "DELETE")
 _JSON = [(b"content-type", b"application/json")]
-_SKIPPED = ("User-Agent", "Accept-Encoding")
 Edit = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-
-
-class Upstreams:
-    """One pooled HTTP client for every upstream (aiohttp's: it sends a request's headers and body in
-    one write, and parses answers in C; with httpx2 the forwarded call cost four writes and a wake-up
-    of the upstream for each). Connections are kept alive a little under uvicorn's 5 s default, so
-    the gateway does not reuse one the upstream is closing; long-lived GET streams take connections
-    of their own, so the pool has no upper bound that could make calls wait behind them."""
-
-    def __init__(self) -> None:
-        self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> Upstreams:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=_SKIPPED)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    async def request(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, connect_timeout: float
-    ) -> aiohttp.ClientResponse:
-        assert self._session is not None, "Upstreams is used inside `async with`"
-        # The client may wait as long as it likes for a result (it has its own timeout and cancels by
-        # going away); only connecting is bounded by the registry's timeout.
-        timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout)
-        return await self._session.request(method, url, headers=headers, data=body or None, timeout=timeout)
 
 
 class PassThrough:
@@ -92,9 +63,11 @@ class PassThrough:
         config = gateway.config.servers[name]
         assert config.url is not None
         self.gateway, self.name, self.http, self.security = gateway, name, http, security
-        self.url = config.url
+        self.target = Target.of(config.url)
         self.client = client_info(GATEWAY_CLIENT).model_dump(mode="json", exclude_none=True)
-        self.own_headers = list(config.headers().items())
+        self.own_headers = [(k.lower().encode(), v.encode()) for k, v in config.headers().items()]
+        if any(b"\r" in k + v or b"\n" in k + v for k, v in self.own_headers):
+            raise ConfigError(f"server {name!r}: a header from the environment holds a line break")
         self.timeout = config.timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -216,14 +189,10 @@ class PassThrough:
         edit: Edit | None = None,
     ) -> None:
         """Send the request upstream and stream its answer back, `edit`ing the response to `request_id`."""
-        upstream = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in headers.items()
-            if k in _REQUEST_HEADERS or k.startswith(b"mcp-")
-        ]
+        upstream = [(k, v) for k, v in headers.items() if k in _REQUEST_HEADERS or k.startswith(b"mcp-")]
         try:
-            response = await self.http.request(method, self.url, [*upstream, *self.own_headers], body, self.timeout)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            response = await self.http.request(method, self.target, [*upstream, *self.own_headers], body, self.timeout)
+        except UpstreamError as exc:
             log.warning("upstream did not answer", server=self.name, method=method, error=repr(exc))
             message = f"upstream {self.name!r} did not answer: {type(exc).__name__}: {exc}"
             if request_id is not None:  # the client's own request fails, as an MCP error it can read
@@ -232,17 +201,17 @@ class PassThrough:
                 await _answer(send, 502, wire.encode({"error": message}), _JSON)
             return
         try:
-            kind = response.headers.get("content-type", "")
+            kind = (response.header(b"content-type") or b"").decode("latin-1")
             if edit is None or response.status != 200 or not kind.startswith(("application/json", "text/event-stream")):
-                await _start(send, response.status, _kept(response.raw_headers))
-                await _stream(send, response.content.iter_any(), watch)
+                await _start(send, response.status, _kept(response.headers))
+                await _stream(send, response.chunks(), watch)
             elif kind.startswith("application/json"):
                 answer = await _edit_json(await response.read(), request_id, edit)
                 watch.finished = True
-                await _answer(send, 200, answer, _kept(response.raw_headers, length=False))
+                await _answer(send, 200, answer, _kept(response.headers, length=False))
             else:
-                await _start(send, 200, _kept(response.raw_headers, length=False))
-                await _stream_edited(send, response.content.iter_any(), request_id, edit, watch)
+                await _start(send, 200, _kept(response.headers, length=False))
+                await _stream_edited(send, response.chunks(), request_id, edit, watch)
         finally:
             response.release()
 
