@@ -105,7 +105,7 @@ async def _idle_sweeper(gateway: Gateway) -> None:
             gateway.recorder.forget(workflow)
 
 
-def http_app(config: Config, redis_url: str, token: str | None) -> tuple[Starlette | BearerAuth, Gateway]:
+def http_app(config: Config, redis_url: str, token: str | None) -> tuple[BearerAuth, Gateway]:
     """The ASGI app serving `/mcp/<server>` for every registry server, and the gateway behind it.
 
     A server with a `url` gets the pass-through (`gateway.passthrough`); one the gateway must spawn
@@ -131,7 +131,7 @@ def http_app(config: Config, redis_url: str, token: str | None) -> tuple[Starlet
         for name, server in gateway.endpoints.items()
         if name not in passed
     }
-    routes = [Route(f"/mcp/{name}", endpoint=app) for name, app in passed.items()]
+    routes = [Route(f"/mcp/{name}", endpoint=app) for name, app in passed.items()]  # for Starlette's redirects
     routes += [Route(f"/mcp/{name}", endpoint=StreamableHTTPASGIApp(manager)) for name, manager in managers.items()]
 
     @contextlib.asynccontextmanager
@@ -145,7 +145,19 @@ def http_app(config: Config, redis_url: str, token: str | None) -> tuple[Starlet
             yield
 
     app = Starlette(routes=routes, lifespan=lifespan)
-    return BearerAuth(app, token), gateway
+    return BearerAuth(_Direct({f"/mcp/{name}": endpoint for name, endpoint in passed.items()}, app), token), gateway
+
+
+class _Direct:
+    """Pass-through paths straight to their endpoint; the rest (lifespan, SDK endpoints, 404s) to Starlette,
+    whose routing and middleware stack cost a pass-through call about as much as its own parsing."""
+
+    def __init__(self, paths: dict[str, ASGIApp], app: ASGIApp) -> None:
+        self.paths, self.app = paths, app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.paths.get(scope["path"]) if scope["type"] == "http" else None
+        await (endpoint or self.app)(scope, receive, send)
 
 
 def serve_http(config: Config, redis_url: str, *, host: str | None = None, port: int | None = None) -> int:

@@ -165,12 +165,7 @@ class Response:
         """A connection whose answer ended cleanly goes back to the pool; any other is closed (which tells
         the upstream the client went away)."""
         connection = self._connection
-        if (
-            connection.complete
-            and connection.error is None
-            and not connection.closed
-            and connection.keep_alive
-        ):
+        if connection.complete and connection.error is None and not connection.closed and connection.keep_alive:
             connection.idle_since = time.monotonic()
             self._pool.idle.setdefault(self._target, []).append(connection)
         else:
