@@ -175,7 +175,13 @@ def serve_http(config: Config, redis_url: str, *, host: str | None = None, port:
             port=port if port is not None else settings.port,
             log_level="warning",
             lifespan="on",
+            # Per-request work the gateway has no use for: it never reads the client's address, and
+            # logs what it records itself.
             http="httptools",
+            proxy_headers=False,
+            access_log=False,
+            server_header=False,
+            date_header=False,
         )
     ).run()
     return 0
