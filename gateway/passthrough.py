@@ -21,7 +21,7 @@ MCP defines go upstream (never the client's token, Host or cookies), plus the re
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import mcp_types as types
@@ -46,6 +46,7 @@ log = get_logger("gateway")
 _REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"last-event-id"})
 _RESPONSE_HEADERS = frozenset({b"content-type", b"cache-control", b"content-length"})
 _METHODS = ("GET", "POST", "DELETE")
+_LIST_CHANGED = b"notifications/tools/list_changed"
 _JSON = [(b"content-type", b"application/json")]
 Edit = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -204,16 +205,24 @@ class PassThrough:
             kind = (response.header(b"content-type") or b"").decode("latin-1")
             if edit is None or response.status != 200 or not kind.startswith(("application/json", "text/event-stream")):
                 await _start(send, response.status, _kept(response.headers))
-                await _stream(send, response.chunks(), watch)
+                await _stream(send, self._noticing(response.chunks()), watch)
             elif kind.startswith("application/json"):
                 answer = await _edit_json(await response.read(), request_id, edit)
                 watch.finished = True
                 await _answer(send, 200, answer, _kept(response.headers, length=False))
             else:
                 await _start(send, 200, _kept(response.headers, length=False))
-                await _stream_edited(send, response.chunks(), request_id, edit, watch)
+                await _stream_edited(send, self._noticing(response.chunks()), request_id, edit, watch)
         finally:
             response.release()
+
+    async def _noticing(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The chunks as they come; a `tools/list_changed` among them drops the cached listing the steps are
+        recorded with (the upstream tells only the session it changed, not the gateway's own)."""
+        async for chunk in chunks:
+            if _LIST_CHANGED in chunk:
+                self.gateway.sessions.forget_tools(self.name)
+            yield chunk
 
 
 class _Watch:
