@@ -82,7 +82,11 @@ def connect_redis(url: str) -> aioredis.Redis:
 @contextlib.asynccontextmanager
 async def running(gateway: Gateway) -> AsyncIterator[None]:
     """The gateway's background work: the Redis health probe and the idle policy."""
-    tasks = [asyncio.create_task(gateway.recorder.watch_health()), asyncio.create_task(_idle_sweeper(gateway))]
+    tasks = [
+        asyncio.create_task(gateway.recorder.watch_health()),
+        asyncio.create_task(_idle_sweeper(gateway)),
+        asyncio.create_task(_warm(gateway)),
+    ]
     try:
         yield
     finally:
@@ -93,6 +97,18 @@ async def running(gateway: Gateway) -> AsyncIterator[None]:
             await gateway.recorder.flush(workflow)
         await gateway.sessions.aclose()
         await gateway.recorder.publisher.redis.aclose()
+
+
+async def _warm(gateway: Gateway) -> None:
+    """Read each HTTP upstream's listing at start: opening the session that reads the live declarations
+    costs about half a second of CPU (imports, TLS context), which the first recorded call would wait for."""
+    for name, server in gateway.config.servers.items():
+        if server.url is None:
+            continue
+        try:
+            await gateway.sessions.tools(name)
+        except Exception as exc:  # not up yet: the first call reads it then
+            log.warning("upstream listing not read at start", server=name, error=repr(exc))
 
 
 async def _idle_sweeper(gateway: Gateway) -> None:
