@@ -64,25 +64,27 @@ def peek(body: bytes) -> Peeked | None:
     return Peeked(request_id, method, params or {}, message)
 
 
-def forwarded(peeked: Peeked, drop: str, client: dict[str, Any]) -> bytes | None:
+def forwarded(peeked: Peeked, drop: str, client: dict[str, Any], add: dict[str, Any] | None = None) -> bytes | None:
     """The message as the upstream gets it, re-encoded only when it changes (else None: send the bytes
-    as they came): without our `_meta[drop]`, and introducing the sender as `client` (the gateway)
-    wherever MCP says who the client is, in `initialize` and in the 2026 per-request `_meta`."""
+    as they came): without our `_meta[drop]`, with `add` in its `_meta` (a call's forward key), and
+    introducing the sender as `client` (the gateway) wherever MCP says who the client is, in
+    `initialize` and in the 2026 per-request `_meta`."""
     params = peeked.params
     meta = params.get("_meta")
-    has_meta = isinstance(meta, dict) and (drop in meta or CLIENT_INFO_META_KEY in meta)
+    meta = meta if isinstance(meta, dict) else None
+    has_meta = meta is not None and (drop in meta or CLIENT_INFO_META_KEY in meta)
     introduces = peeked.method == "initialize" and "clientInfo" in params
-    if not (has_meta or introduces):
+    if not (has_meta or introduces or add):
         return None
     params = dict(params)
     if introduces:
         params["clientInfo"] = client
-    if has_meta:
-        assert isinstance(meta, dict)
-        kept = {k: v for k, v in meta.items() if k != drop}
+    if has_meta or add:
+        kept = {k: v for k, v in (meta or {}).items() if k != drop}
         if CLIENT_INFO_META_KEY in kept:
             kept[CLIENT_INFO_META_KEY] = client
-        params.pop("_meta")
+        kept.update(add or {})
+        params.pop("_meta", None)
         if kept:
             params["_meta"] = kept
     return encode({**peeked.message, "params": params})

@@ -50,6 +50,8 @@ def test_the_upstream_gets_the_request_without_our_key_and_the_gateway_as_its_cl
     initialize = wire.peek(body({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": hello}))
     assert initialize is not None
     assert msgspec.json.decode(wire.forwarded(initialize, KEY, US) or b"")["params"]["clientInfo"] == US
+    keyed = msgspec.json.decode(wire.forwarded(only_ours, KEY, US, {"io.example/key": "k1"}) or b"")
+    assert keyed["params"] == {"name": "t", "_meta": {"io.example/key": "k1"}}  # a forward key goes upstream
     untouched = wire.peek(body({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "t"}}))
     assert untouched is not None and wire.forwarded(untouched, KEY, US) is None  # sent as the bytes it came as
 
