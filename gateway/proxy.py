@@ -1,5 +1,9 @@
 """One MCP server per registry server, forwarding to it and recording every successful tools/call.
 
+This is the path for stdio (`saga gateway --stdio`) and for upstreams the gateway spawns; HTTP
+upstreams go through `passthrough.py`, which shares the `Gateway`'s recording, listing and
+lifecycle methods (`record`, `tools_page`, `annotate`, `signal`).
+
 Built on the SDK's low-level `Server`, so the gateway speaks whatever protocol era its client
 speaks, while the upstream session negotiates its own. Requests are forwarded with their params
 as received (minus our `_meta` key) over one warm upstream session per registry server
