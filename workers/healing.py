@@ -113,6 +113,10 @@ class HealingWorker(SimpleWorker):
                 raise
             log.warning("worker stopped without unregistering: redis refused the write", error=str(exc)[:200])
 
+    def check_for_suspension(self, burst: bool) -> None:
+        parent = super().check_for_suspension  # it writes a heartbeat in the same MULTI as its read
+        self._idle(lambda: parent(burst))
+
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         parent = super().heartbeat
         self._idle(lambda: parent(timeout, pipeline))
