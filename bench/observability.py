@@ -26,9 +26,9 @@ import argparse
 import os
 import secrets
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -37,7 +37,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from mcp_saga.cli.procs import free_port, start_http_server
+from mcp_saga.cli.procs import REPO, free_port, start_http_server, stop, wait_until_accepting
 from mcp_saga.cli.redis_server import resolve_redis
 from mcp_saga.coordinator import consumer
 from mcp_saga.examples import TRIVIAL
@@ -69,18 +69,23 @@ class _Collector(BaseHTTPRequestHandler):
 
 @contextmanager
 def collector() -> Iterator[dict[str, str]]:
-    """The OTEL_* variables of a process exporting to the stand-in collector."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    """The OTEL_* variables of a process exporting to the stand-in collector.
+
+    The collector runs in a process of its own, as a real one would: in this one, its reading of
+    each batch would count in the CPU that the in-process rows charge to the worker's attempts.
+    """
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.observability", "--collector", str(port)], cwd=REPO)
     try:
-        yield {
-            "OTEL_TRACES_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
-        }
+        wait_until_accepting("127.0.0.1", port, proc)
+        yield {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}
     finally:
-        server.shutdown()
-        server.server_close()
+        stop(proc)
+
+
+def serve_collector(port: int) -> int:
+    ThreadingHTTPServer(("127.0.0.1", port), _Collector).serve_forever()
+    return 0
 
 
 def _trace(sampled: bool = True) -> TraceContext:
@@ -348,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker-process"]:
         return worker_process(argv[1], argv[2:])
+    if argv[:1] == ["--collector"]:
+        return serve_collector(int(argv[1]))
     parser = argparse.ArgumentParser(prog="python -m bench.observability", description=__doc__.splitlines()[0])
     parser.add_argument("--workflows", type=int, default=500)
     parser.add_argument("--steps", type=int, default=10)

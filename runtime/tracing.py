@@ -366,8 +366,7 @@ class Attempt:
     def outcome(self, report: Report) -> None:
         if self.span is None:
             return
-        self.span.set_attribute("saga.attempt", report.attempt)
-        self.span.set_attribute("saga.outcome", report.TYPE)
+        self.span.set_attributes({"saga.attempt": report.attempt, "saga.outcome": report.TYPE})
         error = getattr(report, "error", None) or getattr(report, "reason", None)
         if report.TYPE != "compensation-succeeded":
             fail(self.span, error or report.TYPE)
