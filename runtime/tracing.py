@@ -277,16 +277,42 @@ def fail(span: Any, description: str) -> None:
 # The coordinator ------------------------------------------------------------------------------
 
 
-def event_traces(groups: Mapping[str, Iterable[tuple[Any, Any]]]) -> dict[str, dict[str, str]]:
+class BatchTraces(dict[str, dict[str, str]]):
+    """Per workflow of a batch, the context of its last event other than a step that carried one;
+    and apart, in `steps`, the last step's (unchecked until used)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: dict[str, TraceContext] = {}
+
+    def for_jobs(self, workflow: str) -> dict[str, str] | None:
+        """The context a transition that dispatches jobs continues: its event's, else its last step's.
+
+        A failure that arrives before the steps it announced waits for them (the barrier); when the
+        step that completes the barrier is handled by another coordinator than the failure, that
+        batch holds only the step, and without it the jobs, and every span after them, lost the trace.
+        """
+        carrier = self.get(workflow)
+        if carrier is None and workflow in self.steps:
+            carrier = from_wire(self.steps[workflow])
+            if carrier is not None:
+                remember(workflow, carrier)
+        return carrier
+
+
+def event_traces(groups: Mapping[str, Iterable[tuple[Any, Any]]]) -> BatchTraces:
     """Per workflow of a batch, the context of its last event (other than a step) that carried one.
 
-    Steps are left out: most events are steps of running workflows, which no transition span
-    follows (see `transitions`), and looking at each would cost ingest a few per cent.
+    Steps are only noted (their context is read only for a transition that dispatches jobs, see
+    `BatchTraces.for_jobs`): most events are steps of running workflows, which no transition span
+    follows (see `transitions`), and checking each would cost ingest a few per cent.
     """
-    found: dict[str, dict[str, str]] = {}
+    found = BatchTraces()
     for workflow, items in groups.items():
         for event, _ in items:
             if type(event.data) is StepCompleted:
+                if event.data.trace is not None:
+                    found.steps[workflow] = event.data.trace
                 continue
             carrier = from_wire(getattr(event.data, "trace", None))
             if carrier is not None:
@@ -303,11 +329,13 @@ def transitions(views: Iterable[Any], traces: Mapping[str, dict[str, str]], star
     workflow is not a transition worth a span (the agent's call span already shows it) and
     never reaches here: those steps take the coordinator's fast path.
     """
-    if not traces:
+    if not traces and not getattr(traces, "steps", None):
         return
     on = active()
     for view in views:
         carrier = traces.get(view.workflow)
+        if carrier is None and view.jobs and isinstance(traces, BatchTraces):
+            carrier = traces.for_jobs(view.workflow)
         if carrier is None:
             continue
         if on:

@@ -68,3 +68,33 @@ def test_a_worker_attempt_is_one_client_span_and_none_when_unsampled(tmp_path: P
     mine = f"00-{'ab' * 16}-{span['context']['span_id'].removeprefix('0x')}-01"
     assert out["sampled"]["carrier"] == {"traceparent": mine, "tracestate": "vendor=x"}
     assert out["meta"] == out["sampled"]["carrier"]  # the server continues the attempt's span
+
+
+def test_jobs_dispatched_by_a_batch_of_steps_only_carry_the_steps_trace() -> None:
+    """The barrier's case: the failure came first (handled by one coordinator); the step that completes
+    the barrier, handled by another, is all its batch holds, and its jobs must not lose the trace."""
+    from types import SimpleNamespace
+
+    from mcp_saga.runtime import tracing
+    from mcp_saga.schemas.events import StepCompleted, TraceContext
+    from mcp_saga.schemas.records import CompensationJob
+
+    parent = f"00-{'ef' * 16}-{'12' * 8}-01"
+    step = StepCompleted(step="s1", server="svc", tool="do", result={}, trace=TraceContext(traceparent=parent))
+    untraced = StepCompleted(step="s1", server="svc", tool="do", result={})
+    groups = {"wf": [(SimpleNamespace(data=step), {})], "plain": [(SimpleNamespace(data=untraced), {})]}
+    traces = tracing.event_traces(groups)
+    assert dict(traces) == {}  # steps are not read eagerly
+
+    def view(workflow: str) -> SimpleNamespace:
+        job = CompensationJob(
+            workflow=workflow, step="s1", server="svc", tool="do", operation_id="undo", arguments={},
+            idempotency_key="k", dispatch=1,
+        )  # fmt: skip
+        return SimpleNamespace(workflow=workflow, jobs=[job], loaded_status="failed", state=SimpleNamespace(status="x"))
+
+    views = [view("wf"), view("plain")]
+    tracing.transitions(views, traces, 0.0)
+    assert views[0].jobs[0].trace == {"traceparent": parent}  # untraced here: handed on as it came
+    assert views[1].jobs[0].trace is None
+    assert tracing.trace_id("wf") == "ef" * 16
