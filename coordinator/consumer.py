@@ -24,7 +24,7 @@ from mcp_saga.runtime.connect import check_layout
 from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
-from mcp_saga.runtime.redis_checks import RateLimitedLog, check_redis, healing_condition
+from mcp_saga.runtime.redis_checks import MAX_REFUSAL_BACKOFF, RateLimitedLog, check_redis, healing_condition
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry, stream_id
 from mcp_saga.schemas.keys import STATUSES
@@ -40,8 +40,6 @@ Groups = dict[str, list[tuple[Event, dict[bytes, bytes]]]]
 MAX_CONFLICT_RETRIES = 20
 # Longest pause between attempts while Redis is unreachable (restart, failover, network).
 MAX_OUTAGE_BACKOFF = 2.0
-# Longest pause while Redis refuses writes (OOM, read-only replica, failed persistence).
-MAX_REFUSAL_BACKOFF = 5.0
 # Workflows whose step count a coordinator remembers for the fast path (see _record_fresh_steps).
 STEP_COUNT_CACHE = 100_000
 # Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.

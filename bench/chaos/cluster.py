@@ -237,10 +237,17 @@ class Cluster:
     def restart_redis(self) -> None:
         """SIGTERM redis-server (it flushes the append-only file) and start it on the same port and dir."""
         assert self.redis is not None
+        full_until = self._full_until
+        if full_until is not None:  # a restart forgets the limit and the error counts: count them, set it again
+            self.unfill_redis()
         started = time.monotonic()
         self.redis.restart()
         self.restarts["redis"] += 1
         self.out(f"  restarted redis-server with AOF ({time.monotonic() - started:.2f} s down)")
+        if full_until is not None:
+            self.fill_redis()
+            self.fills -= 1  # the same fill, carried over the restart for the time it had left
+            self._full_until = full_until
 
     def blackhole_server(self, name: str) -> None:
         """SIGSTOP an example server for `stall_seconds`: its port still accepts, nothing answers.
