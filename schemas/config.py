@@ -38,6 +38,9 @@ class ServerConfig(_Strict):
     # Operator-declared recovery for tools whose server does not declare SEP-3172 (tool -> recovery),
     # validated once here so a bad overlay stops start-up with its full path.
     recovery: dict[str, Recovery] = Field(default_factory=dict)
+    # Tools the operator declares idempotent under the forward key (as `idempotentHint: true`
+    # would): an in-doubt step of one is settled by calling it again with that key.
+    idempotent: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _one_transport(self) -> ServerConfig:
@@ -119,6 +122,9 @@ class CoordinatorSettings(_Strict):
     retention_compensated: int = Field(default=7 * 86_400, ge=1)
     retention_attention: int = Field(default=30 * 86_400, ge=1)
     idle_ttl: int = Field(default=7 * 86_400, ge=1)
+    # Seconds a running workflow with a started, unsettled step may go without any event before
+    # the coordinator fails it ("its agent went away mid-call") and settles the step as in doubt.
+    in_doubt_after: float = Field(default=3600.0, gt=0)
     outcomes_maxlen: int = Field(default=100_000, ge=100)
     dead_letter_maxlen: int = Field(default=100_000, ge=100)
 
@@ -265,6 +271,11 @@ class Config(_Strict):
                 )
         return found
 
+    def declared_idempotent(self, server: str, tool: str) -> bool:
+        """Whether the operator declared the tool idempotent under its forward key."""
+        entry = self.servers.get(server)
+        return entry is not None and tool in entry.idempotent
+
     def overlay(self, server: str, tool: str) -> Recovery | None:
         """The operator's recovery declaration for a tool, if any."""
         entry = self.servers.get(server)
@@ -297,6 +308,11 @@ def guarantee_problems(config: Config) -> tuple[list[str], list[str]]:
             f"coordinator.watchdog_after ({c.watchdog_after:g} s) must be longer than the longest wait between "
             f"two attempts (worker.backoff_max x (1 + jitter) = {gap:g} s): while a retry waits no report "
             "comes and no lease is held, so the watchdog would dispatch again a compensation that is merely waiting"
+        )
+    if c.in_doubt_after >= c.idle_ttl:
+        refusals.append(
+            f"coordinator.in_doubt_after ({c.in_doubt_after:g} s) must be shorter than coordinator.idle_ttl "
+            f"({c.idle_ttl} s): a workflow whose agent died mid-call would expire before its in-doubt step is settled"
         )
     slowest = max((s.timeout for s in config.servers.values()), default=0.0)
     if slowest and w.job_timeout <= slowest:
