@@ -325,6 +325,16 @@ class Machine:
                 f"but its step-started named {intent.server}:{intent.tool}"
             )
         state = view.state
+        if data.result.get("isError") is True:  # the call answered with an error: nothing was done
+            intent.status, intent.open_intent, intent.kind = "skipped", False, "compensation"
+            intent.reason = "its call answered with an error (isError): nothing to undo"
+            view.put(intent, now)
+            view.set_steps[intent.seq] = event.raw
+            if intent.in_doubt:
+                view.note("step-settled", now, data.step, plan=intent.status, reason=intent.reason)
+            if state.status == "failed" and completions(view) >= state.expected_steps:
+                self._unwind(view, now)
+            return
         replannable = intent.status in OPEN or (
             intent.status == "pending" if intent.kind == "compensation" else intent.status not in SETTLED
         )

@@ -304,7 +304,7 @@ class Attempt:
         self.span.set_attribute("saga.attempt", report.attempt)
         self.span.set_attribute("saga.outcome", report.TYPE)
         error = getattr(report, "error", None) or getattr(report, "reason", None)
-        if report.TYPE != "compensation-succeeded":
+        if report.TYPE not in ("compensation-succeeded", "recall-succeeded"):
             fail(self.span, error or report.TYPE)
 
     def end(self) -> None:

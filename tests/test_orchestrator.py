@@ -82,8 +82,17 @@ async def ar(r: redis.Redis, redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-def events(r: redis.Redis, keys: Keys = K) -> list[Event]:
-    return [decode_entry(i.decode(), fields) for i, fields in r.xrange(keys.events)]
+def events(r: redis.Redis, keys: Keys = K, *, intents: bool = False) -> list[Event]:
+    """The stream's events; without the intents unless asked (tests/test_in_doubt.py covers them): each
+    step-started, and the step-completed with an `isError` result that settles the intent of a failed call."""
+    found = [decode_entry(i.decode(), fields) for i, fields in r.xrange(keys.events)]
+    return [e for e in found if intents or not _intent_traffic(e)]
+
+
+def _intent_traffic(event: Event) -> bool:
+    if event.type == "step-started":
+        return True
+    return event.type == "step-completed" and event.data.result.get("isError") is True
 
 
 def unwind(r: redis.Redis) -> Coordinator:
@@ -336,7 +345,7 @@ async def test_a_step_that_could_not_be_written_refuses_the_next_call(
 
     monkeypatch.setattr(ar, "xadd", first_write_lost)
     with pytest.raises(mcp_saga.StepNotRecorded, match="1-reserve_inventory"):
-        async with mcp_saga.workflow("order-lost", redis=ar, servers=clients) as wf:
+        async with mcp_saga.workflow("order-lost", redis=ar, servers=clients, intents=False) as wf:
             await wf.call(*ORDER[0])
             with pytest.raises(mcp_saga.StepNotRecorded):
                 await wf.flush()
