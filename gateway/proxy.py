@@ -30,11 +30,12 @@ from mcp.shared.exceptions import MCPError
 from mcp_saga.gateway.identity import NoWorkflow, new_session_workflow, resolve_workflow, session_workflow
 from mcp_saga.gateway.recorder import NotRecordable, Recorder
 from mcp_saga.runtime.logs import get_logger
-from mcp_saga.runtime.publish import clip, step_entry
-from mcp_saga.runtime.recovery_wire import RECOVERY_META_KEY, declaration_from_wire
+from mcp_saga.runtime.publish import clip, started_entry, step_entry
+from mcp_saga.runtime.recovery_wire import IDEMPOTENCY_META_KEY, RECOVERY_META_KEY, declaration_from_wire
 from mcp_saga.runtime.sessions import GATEWAY_CLIENT, AsyncSessions, ProtocolError, SessionError
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import STEP_META_KEY, WORKFLOW_META_KEY
+from mcp_saga.schemas.records import forward_key
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import TypeAdapter
 
@@ -220,23 +221,59 @@ class Gateway:
             log.warning("call refused", workflow=workflow, server=name, tool=params.name, reason=str(exc))
             raise MCPError(code=types.INTERNAL_ERROR, message=str(exc)) from None
         arguments = params.arguments or {}
+        step, extra = None, {}
+        if self.settings.intents:
+            step = self._next_step(params.name)
+            key = dict(params.meta or {}).get(IDEMPOTENCY_META_KEY)
+            key = key if isinstance(key, str) and key else forward_key(workflow, step)
+            recovery, annotations = await self._declaration(name, workflow, step, params.name)
+            intent = started_entry(workflow, step, name, params.name, arguments, recovery, annotations, key=key)
+            try:
+                await self.recorder.started(workflow, step, intent)
+            except NotRecordable as exc:
+                log.warning("call refused", workflow=workflow, server=name, tool=params.name, reason=str(exc))
+                raise MCPError(code=types.INTERNAL_ERROR, message=str(exc)) from None
+            extra = {IDEMPOTENCY_META_KEY: key}
 
         async def run(client: Client) -> Any:
-            request = types.CallToolRequest(params=_forwarded_params(params))
+            request = types.CallToolRequest(params=_forwarded_params(params, extra))
             return await client.session.send_request(request, RAW, progress_callback=_progress(ctx, params))
 
         result = await self._upstream(name, ctx, run)
+        if result.get("isError") and step is not None:  # an answer: the intent is settled as nothing done
+            self.recorder.completed(workflow, step, step_entry(workflow, step, name, params.name, arguments, result))
         if result.get("isError") or result.get("resultType") not in (None, "complete"):
             return result  # not a completed step: a failure, or a round that asks for input first
-        step = await self._record(name, workflow, params.name, arguments, result)
+        step = await self._record(name, workflow, params.name, arguments, result, step)
         return {**result, "_meta": {**(result.get("_meta") or {}), WORKFLOW_META_KEY: workflow, STEP_META_KEY: step}}
 
+    def _next_step(self, tool: str) -> str:
+        self._steps += 1
+        return step_id(self._steps, tool, self.instance)
+
     async def _record(
-        self, name: str, workflow: str, tool: str, arguments: dict[str, Any], result: dict[str, Any]
+        self,
+        name: str,
+        workflow: str,
+        tool: str,
+        arguments: dict[str, Any],
+        result: dict[str, Any],
+        step: str | None = None,
     ) -> str:
         """Queue the step-completed of a call that succeeded; a step that cannot be recorded poisons its workflow."""
-        self._steps += 1
-        step = step_id(self._steps, tool, self.instance)
+        step = step or self._next_step(tool)
+        recovery, annotations = await self._declaration(name, workflow, step, tool)
+        try:
+            fields = step_entry(workflow, step, name, tool, arguments, result, recovery, annotations)
+        except ValueError as exc:
+            self.recorder.lose(workflow, f"step {step!r}: {exc}")
+            log.error("step not recordable", workflow=workflow, step=step, error=str(exc))
+            return step
+        self.recorder.completed(workflow, step, fields)
+        return step
+
+    async def _declaration(self, name: str, workflow: str, step: str, tool: str) -> tuple[Any, dict[str, Any] | None]:
+        """(recovery, annotations) as the step's events carry them: the overlay first, else the live listing."""
         recovery, annotations = self._recovery(name, tool), None
         try:
             declaration = (await self.sessions.tools(name)).get(tool)
@@ -255,14 +292,7 @@ class Gateway:
                 if recovery is not None and not isinstance(recovery, dict):
                     recovery = {"declared": recovery}  # kept visible; the coordinator plans it as unrecoverable
             annotations = {k: v for k, v in declaration.annotations.items() if k != "recovery"} or None
-        try:
-            fields = step_entry(workflow, step, name, tool, arguments, result, recovery, annotations)
-        except ValueError as exc:
-            self.recorder.lose(workflow, f"step {step!r}: {exc}")
-            log.error("step not recordable", workflow=workflow, step=step, error=str(exc))
-            return step
-        self.recorder.step(workflow, step, fields)
-        return step
+        return recovery, annotations
 
     async def _lifecycle(self, ctx: ServerRequestContext[Any, Any], params: Any) -> Any:
         workflow = self._workflow(ctx)
@@ -321,11 +351,12 @@ class Gateway:
         return relay
 
 
-def _forwarded_params(params: Any) -> Any:
-    """The params as received, minus our workflow key and the client's progress token (the upstream gets its own)."""
+def _forwarded_params(params: Any, extra: dict[str, Any] | None = None) -> Any:
+    """The params as received, minus our workflow key and the client's progress token (the upstream gets its own),
+    plus `extra` (the call's forward key)."""
     if params is None:
         return None
-    meta = dict(params.meta or {})
+    meta = {**dict(params.meta or {}), **(extra or {})}
     meta.pop(WORKFLOW_META_KEY, None)
     meta.pop("progress_token", None)  # the validated meta holds the token under its Python name
     return params.model_copy(update={"meta": meta or None})

@@ -78,6 +78,30 @@ class Recorder:
         self._healthy = True
         return True
 
+    async def started(self, workflow: str, step: str, fields: dict[bytes, bytes] | None) -> None:
+        """Write a call's intent (step-started) and wait for Redis to acknowledge it, before the call is forwarded.
+
+        Raises `NotRecordable` when it cannot be written: a call the coordinator would not know about
+        is not forwarded. `None` (an intent over the event cap) writes nothing: the call goes
+        unannounced, as without intents. Not chained behind the workflow's earlier step-completed
+        writes: the intent's own stream position is the step's place on the stack.
+        """
+        if fields is None:
+            log.warning("intent over the event cap; the call goes unannounced", workflow=workflow, step=step)
+            return
+        try:
+            await self.publisher.redis.xadd(self.publisher.stream, fields)  # type: ignore[arg-type]
+        except Exception as exc:
+            self._healthy = False
+            raise NotRecordable(
+                f"the gateway could not record the intent of this call ({type(exc).__name__}); it was not forwarded"
+            ) from exc
+        self._healthy = True
+
+    def completed(self, workflow: str, step: str, fields: dict[bytes, bytes]) -> None:
+        """The call answered: its step-completed settles the intent (queued like any step)."""
+        self.step(workflow, step, fields)
+
     def step(self, workflow: str, step: str, fields: dict[bytes, bytes]) -> None:
         """Queue a checked step-completed entry behind the workflow's earlier events."""
         state = self._state(workflow)

@@ -240,8 +240,10 @@ def started_entry(
     recovery: Mapping[str, Any] | None = None,
     annotations: Mapping[str, Any] | None = None,
     trace: TraceContext | None = None,
+    key: str | None = None,
 ) -> dict[bytes, bytes] | None:
-    """The checked entry of a step-started, with the forward key of (workflow, step).
+    """The checked entry of a step-started, with the forward key of (workflow, step) unless `key` is given
+    (a client's own idempotency key for the call, which the server will see).
 
     None when the intent is over the size cap: it is not cut as a step-completed is, because a
     recall must send exactly the arguments of the call, so such a call goes unannounced (the
@@ -251,7 +253,7 @@ def started_entry(
         step=step,
         server=server,
         tool=tool,
-        forward_key=forward_key(workflow, step),
+        forward_key=key or forward_key(workflow, step),
         arguments=dict(arguments or {}),
         recovery=wire(recovery),
         annotations=dict(annotations) if annotations else None,

@@ -188,6 +188,9 @@ class GatewaySettings(_Strict):
     idle_timeout: float = Field(default=3600.0, gt=0, description="seconds without a call before on_idle applies")
     # A step whose XADD fails is retried this long before its workflow refuses further calls.
     publish_retry_for: float = Field(default=10.0, ge=0)
+    # Write each call's intent (step-started) and have Redis acknowledge it before forwarding, so
+    # that a call whose answer is lost is settled in the unwind; off saves that round trip per call.
+    intents: bool = True
 
     @model_validator(mode="after")
     def _anonymous_on_loopback(self) -> GatewaySettings:
