@@ -313,7 +313,7 @@ def guarantee_problems(config: Config) -> tuple[list[str], list[str]]:
             "comes and no lease is held, so the watchdog would dispatch again a compensation that is merely waiting"
         )
     if c.in_doubt_after >= c.idle_ttl:
-        refusals.append(
+        warnings.append(
             f"coordinator.in_doubt_after ({c.in_doubt_after:g} s) must be shorter than coordinator.idle_ttl "
             f"({c.idle_ttl} s): a workflow whose agent died mid-call would expire before its in-doubt step is settled"
         )

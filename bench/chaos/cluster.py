@@ -151,6 +151,7 @@ class Cluster:
                 block_ms=200, claim_idle_ms=s.claim_idle_ms, watchdog_after=s.watchdog_after, watchdog_every=0.5,
                 barrier_grace=s.barrier_grace, retention_completed=s.retention, retention_compensated=s.retention,
                 retention_attention=s.retention, idle_ttl=s.idle_ttl, outcomes_maxlen=100, dead_letter_maxlen=1000,
+                in_doubt_after=s.in_doubt_after,
             ),
             worker=WorkerSettings(
                 attempts=s.attempts, backoff_base=s.backoff_base, backoff_max=s.backoff_max, lease=s.lease,
