@@ -276,18 +276,28 @@ class Machine:
         if state.status == "failed" and completions(view) >= state.expected_steps:
             self._unwind(view, now)
 
+    def plan_started(
+        self, workflow: str, data: StepStarted, seq: int, now: float, event_id: str = "", repairs: tuple[str, ...] = ()
+    ) -> tuple[Compensation, list[TimelineEntry]]:
+        """An intent's record and its timeline entries (also for the fast path, which records without a read)."""
+        overlay = self.config.overlay(data.server, data.tool)
+        idempotent = self.idempotent(data.server, data.tool, data.annotations)
+        comp = plan_in_doubt(workflow, data, seq, overlay, idempotent, now, self.config.policy).compensation
+        comp.event_id = event_id
+        entries = []
+        if repairs:
+            entries.append(
+                timeline_entry("event-repaired", now, data.step, event=StepStarted.TYPE, detail=_repairs(repairs))
+            )
+        return comp, entries
+
     def _started(self, view: WorkflowView, event: Event, data: StepStarted, now: float) -> None:
         """Record the intent at its place on the stack, with the plan for the case it is never settled."""
         if data.step in view.comps:
             return  # a redelivery, or its step-completed was handled first (a claim reordered them)
         state = view.state
-        overlay = self.config.overlay(data.server, data.tool)
-        idempotent = self.idempotent(data.server, data.tool, data.annotations)
-        plan = plan_in_doubt(view.workflow, data, state.steps, overlay, idempotent, now, self.config.policy)
-        comp = plan.compensation
-        comp.event_id = event.id
-        if event.repairs:
-            view.note("event-repaired", now, data.step, event=StepStarted.TYPE, detail=_repairs(event.repairs))
+        comp, entries = self.plan_started(view.workflow, data, state.steps, now, event.id, event.repairs)
+        view.log += entries
         view.put(comp, now)
         view.new_steps.append(event.raw)
         state.steps += 1

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import redis
 from mcp import Client
@@ -171,3 +172,35 @@ def test_an_agent_killed_between_intent_and_result_is_unwound_after_in_doubt_aft
     assert "presumed gone" in state["reason"]
     [charge] = holdings(db, "charge")
     assert charge["status"] == "refunded"
+
+
+def test_the_coordinator_records_intents_settles_them_and_watches_an_open_one(r: redis.Redis) -> None:
+    """In one process against the real Redis: intents by the no-read path, their deadline, the settle."""
+    from mcp_saga.coordinator.consumer import Coordinator
+    from mcp_saga.runtime.publish import started_entry, step_entry, workflow_failed
+    from mcp_saga.schemas.config import parse_config
+    from mcp_saga.schemas.events import entry_fields
+    from mcp_saga.schemas.records import comp_decoder
+
+    coordinator = Coordinator(r, parse_config({"coordinator": {"block_ms": 10}}), name="t")
+    coordinator.ensure_group()
+
+    def publish(fields: dict) -> None:
+        r.xadd(K.events, fields)
+        while coordinator.step().events:
+            pass
+
+    def status(step: str) -> str:
+        return comp_decoder.decode(r.hget(K.comp("wf-1"), step)).status
+
+    undo = {"operationId": "undo", "parameters": {"id": "$response.body#/id"}}
+    recovery = {"strategy": "compensation", "compensatingOperation": undo}
+    publish(started_entry("wf-1", "a", "svc", "do", {"n": 1}, recovery))
+    assert status("a") == "started" and r.zscore(K.deadlines, "wf-1") is not None  # watched while open
+    publish(step_entry("wf-1", "a", "svc", "do", {"n": 1}, {"structuredContent": {"id": "A"}}, recovery))
+    assert status("a") == "pending" and r.llen(K.steps("wf-1")) == 1  # settled in place
+    assert msgspec.json.decode(r.lindex(K.steps("wf-1"), 0))["result"] == {"structuredContent": {"id": "A"}}
+    publish(started_entry("wf-1", "b", "svc", "do", {"n": 2}, recovery))
+    publish(entry_fields("wf-1", workflow_failed("transport error", steps_completed=1)))
+    assert status("b") == "in-doubt" and status("a") == "pending"  # halted above a
+    assert r.hget(K.state("wf-1"), "status") == b"needs-attention"
