@@ -115,9 +115,14 @@ def completion_order(comp: Compensation) -> tuple[int, int, int]:
         return 0, 0, comp.seq
 
 
+FAILED_CALL = "its call answered with an error (isError): nothing to undo"
+
+
 def completions(view: WorkflowView) -> int:
-    """Steps the orchestrator saw complete among those recorded: what `stepsCompleted` counts."""
-    return view.state.steps - sum(1 for c in view.comps.values() if c.open_intent)
+    """Steps the orchestrator saw complete among those recorded: what `stepsCompleted` counts (not an
+    intent still open, nor one its call's error answer settled: either could make the barrier let go
+    while a completed step is still on its way, and that step would then be undone out of order)."""
+    return view.state.steps - sum(1 for c in view.comps.values() if c.open_intent or c.failed_call)
 
 
 class Machine:
@@ -336,8 +341,8 @@ class Machine:
             )
         state = view.state
         if data.result.get("isError") is True:  # the call answered with an error: nothing was done
-            intent.status, intent.open_intent, intent.kind = "skipped", False, "compensation"
-            intent.reason = "its call answered with an error (isError): nothing to undo"
+            intent.status, intent.open_intent, intent.kind, intent.failed_call = "skipped", False, "compensation", True
+            intent.reason = FAILED_CALL
             view.put(intent, now)
             view.set_steps[intent.seq] = event.raw
             if intent.in_doubt:
@@ -405,6 +410,8 @@ class Machine:
         comp = plan.compensation
         comp.late = late
         comp.event_id = event_id
+        if data.result.get("isError") is True:  # the settle of a failed call whose intent comes later (a claim)
+            comp.status, comp.reason, comp.failed_call = "skipped", FAILED_CALL, True
         # The step stack already records every step; the timeline records the ones that need a
         # word: late, not compensable (skipped, unrecoverable, and why), or planned from an overlay.
         entries = []

@@ -115,6 +115,8 @@ class Compensation(Struct, rename="camel", omit_defaults=False):
     in_doubt: bool = False
     # A started step whose step-completed has not arrived: not counted as completed by the barrier.
     open_intent: bool = False
+    # An intent settled by an `isError` answer: a failed call, which `stepsCompleted` does not count.
+    failed_call: bool = False
     # What a dispatch of this record does: undo the step, or (for an in-doubt step of an
     # idempotent tool) call the original tool again with its forward key to learn its result.
     kind: JobKind = "compensation"

@@ -192,3 +192,23 @@ def test_an_overlay_can_declare_a_tool_idempotent() -> None:
     config = parse_config({"servers": {"inventory": {"url": "http://x/mcp", "idempotent": ["reserve_inventory"]}}})
     view = fold(Machine(config), new_view(), started("a"), WorkflowFailed(reason="t"))
     assert [j.kind for j in view.jobs] == ["recall"]
+
+
+def test_a_call_that_answered_an_error_does_not_count_as_a_completed_step(machine: Machine) -> None:
+    """Found by the chaos run: b's events held by a dead coordinator, c's error answer counted, a undone first."""
+    error = StepCompleted(step="c", server="inventory", tool="reserve_inventory", result={"isError": True})
+    view = fold(machine, new_view(), started("a"), completed("a"), started("c"), error)
+    assert view.comps["c"].status == "skipped"
+    fold(machine, view, WorkflowFailed(reason="c failed", steps_completed=2))
+    assert view.state.status == "failed" and not view.jobs  # b is still on its way: wait for it
+    fold(machine, view, started("b"), completed("b"))
+    assert [j.step for j in view.jobs] == ["b"]  # the last intent recorded is undone first
+
+
+def test_an_error_answer_handled_before_its_intent_is_a_failed_call_too(machine: Machine) -> None:
+    error = StepCompleted(step="c", server="inventory", tool="reserve_inventory", result={"isError": True})
+    view = fold(machine, new_view(), started("a"), completed("a"), error, started("c"))
+    c = view.comps["c"]
+    assert (c.status, c.failed_call) == ("skipped", True)
+    fold(machine, view, WorkflowFailed(reason="c failed", steps_completed=2))
+    assert view.state.status == "failed"  # one completed step recorded of the two announced

@@ -287,7 +287,8 @@ def verify(
             violations.append(f"{workflow}: step {step['step']} was published but is not recorded")
         published = {s["step"] for s in steps + record["unpublished"]}
         # Intents of calls the orchestrator saw fail (no answer, or an error one) are on the stack too.
-        recorded -= sum(1 for name, c in snap.comps.items() if c.get("forwardKey") and name not in published)
+        unconfirmed = [n for n, c in snap.comps.items() if c.get("forwardKey") or c.get("failedCall")]
+        recorded -= sum(1 for name in unconfirmed if name not in published)
         if recorded > len(steps) + len(record["unpublished"]):
             violations.append(f"{workflow}: {recorded} steps recorded, only {len(steps)} published")
 
