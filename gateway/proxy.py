@@ -241,7 +241,8 @@ class Gateway:
 
         result = await self._upstream(name, ctx, run)
         if result.get("isError") and step is not None:  # an answer: the intent is settled as nothing done
-            self.recorder.completed(workflow, step, step_entry(workflow, step, name, params.name, arguments, result))
+            fields = step_entry(workflow, step, name, params.name, arguments, result)
+            self.recorder.completed(workflow, step, fields, failed=True)
         if result.get("isError") or result.get("resultType") not in (None, "complete"):
             return result  # not a completed step: a failure, or a round that asks for input first
         step = await self._record(name, workflow, params.name, arguments, result, step)

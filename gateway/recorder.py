@@ -98,14 +98,15 @@ class Recorder:
             ) from exc
         self._healthy = True
 
-    def completed(self, workflow: str, step: str, fields: dict[bytes, bytes]) -> None:
-        """The call answered: its step-completed settles the intent (queued like any step)."""
-        self.step(workflow, step, fields)
+    def completed(self, workflow: str, step: str, fields: dict[bytes, bytes], *, failed: bool = False) -> None:
+        """The call answered: its step-completed settles the intent (queued like any step). `failed`: an
+        `isError` answer, which settles the intent but is no completed step for `stepsCompleted`."""
+        self.step(workflow, step, fields, counted=not failed)
 
-    def step(self, workflow: str, step: str, fields: dict[bytes, bytes]) -> None:
+    def step(self, workflow: str, step: str, fields: dict[bytes, bytes], *, counted: bool = True) -> None:
         """Queue a checked step-completed entry behind the workflow's earlier events."""
         state = self._state(workflow)
-        state.steps += 1
+        state.steps += counted
         state.tail = asyncio.create_task(self._write(workflow, step, fields, state.tail))
 
     async def _write(self, workflow: str, step: str, fields: dict[bytes, bytes], previous: Any) -> None:
