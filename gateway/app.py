@@ -22,8 +22,9 @@ from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, Streamable
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp_saga.gateway.proxy import Gateway
 from mcp_saga.gateway.recorder import Recorder
+from mcp_saga.runtime.connect import connect_async
 from mcp_saga.runtime.logs import get_logger
-from mcp_saga.schemas.config import Config, ConfigError
+from mcp_saga.schemas.config import Config, ConfigError, RedisSettings
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from starlette.applications import Starlette
@@ -73,9 +74,10 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def connect_redis(url: str) -> aioredis.Redis:
+def connect_redis(url: str, settings: RedisSettings | None = None) -> aioredis.Redis:
     # Retries as in the SDK: a Redis restart of a few milliseconds must not lose a step.
-    return aioredis.Redis.from_url(url, retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 3))
+    retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 3)
+    return connect_async(url, settings or RedisSettings(), retry=retry)  # type: ignore[return-value]
 
 
 @contextlib.asynccontextmanager
@@ -107,7 +109,12 @@ async def _idle_sweeper(gateway: Gateway) -> None:
 def http_app(config: Config, redis_url: str, token: str | None) -> tuple[Starlette | BearerAuth, Gateway]:
     """The ASGI app serving `/mcp/<server>` for every registry server, and the gateway behind it."""
     settings = config.gateway
-    recorder = Recorder(connect_redis(redis_url), config.prefix, retry_for=settings.publish_retry_for)
+    recorder = Recorder(
+        connect_redis(redis_url, config.redis),
+        config.prefix,
+        retry_for=settings.publish_retry_for,
+        partitions=config.redis.partitions,
+    )
     gateway = Gateway(config, recorder)
     security = None
     if settings.host in LOOPBACK:
@@ -162,7 +169,12 @@ def serve_stdio(config: Config, redis_url: str, server: str) -> int:
     if server not in config.servers:
         raise ConfigError(f"server {server!r} is not in the config's [servers] (known: {', '.join(config.servers)})")
     only = config.model_copy(update={"servers": {server: config.servers[server]}})
-    recorder = Recorder(connect_redis(redis_url), config.prefix, retry_for=config.gateway.publish_retry_for)
+    recorder = Recorder(
+        connect_redis(redis_url, config.redis),
+        config.prefix,
+        retry_for=config.gateway.publish_retry_for,
+        partitions=config.redis.partitions,
+    )
     gateway = Gateway(only, recorder, stdio=True)
     endpoint = gateway.endpoints[server]
 

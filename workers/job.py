@@ -115,6 +115,10 @@ def _current_context(rq_job: Job | None) -> WorkerContext:
         if rq_job is None:
             raise RuntimeError("mcp_saga.workers.job.compensate runs inside an RQ worker (or after set_context)")
         config = load_config()
+        if config.redis.cluster:
+            raise RuntimeError(
+                "with [redis] cluster = true, run `saga worker`: a plain `rq worker` knows only the queue's Redis"
+            )
         log.warning("no worker context: built one from SAGA_CONFIG; `saga worker` keeps sessions warm across jobs")
         set_context(rq_job.connection, config, session_pool(config), "rq")
     assert _context is not None
@@ -160,7 +164,8 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
     intervals = list(rq_job.retry_intervals or ())
     base = rq_job.meta.get("base_id", rq_job.id)
     deferrals = int(rq_job.meta.get("deferrals", 0)) + 1
-    continuation = Queue(rq_job.origin, connection=ctx.redis).enqueue_in(
+    # The queue's Redis (the job's own connection), which is not the state's on a cluster.
+    continuation = Queue(rq_job.origin, connection=rq_job.connection).enqueue_in(
         timedelta(seconds=min(2 ** (deferrals - 1), DEFER_MAX_SECONDS)),
         rq_job.func_name,
         payload,
@@ -186,7 +191,8 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
 
 class _Attempt:
     def __init__(self, ctx: WorkerContext, job: CompensationJob, rq_job: Job | None):
-        self.ctx, self.job, self.keys = ctx, job, Keys(job.prefix)
+        # Bound to the workflow's partition: the report goes to the stream its coordinators read.
+        self.ctx, self.job, self.keys = ctx, job, Keys(job.prefix, ctx.config.redis.partitions).route(job.workflow)
         self.attempt, self.retries_left = attempt_of(rq_job, ctx.config.worker, job.attempts_used)
         self.lease = Lease(
             ctx.redis,
