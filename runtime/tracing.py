@@ -396,7 +396,7 @@ class Attempt:
             return
         self.span.set_attributes({"saga.attempt": report.attempt, "saga.outcome": report.TYPE})
         error = getattr(report, "error", None) or getattr(report, "reason", None)
-        if report.TYPE != "compensation-succeeded":
+        if report.TYPE not in ("compensation-succeeded", "recall-succeeded"):
             fail(self.span, error or report.TYPE)
 
     def end(self) -> None:
