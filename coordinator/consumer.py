@@ -25,6 +25,7 @@ from mcp_saga.runtime.redis_checks import RateLimitedLog, check_redis, healing_c
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry, stream_id
 from mcp_saga.schemas.keys import STATUSES, Keys
+from mcp_saga.schemas.records import job_id_for
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -39,6 +40,8 @@ MAX_CONFLICT_RETRIES = 20
 MAX_OUTAGE_BACKOFF = 2.0
 # Longest pause while Redis refuses writes (OOM, read-only replica, failed persistence).
 MAX_REFUSAL_BACKOFF = 5.0
+# RQ job statuses that say nothing was reported yet: waiting for a worker, or being run by one.
+LIVE_JOB = ("queued", "started")
 # Workflows whose step count a coordinator remembers for the fast path (see _record_fresh_steps).
 STEP_COUNT_CACHE = 100_000
 # Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
@@ -383,7 +386,7 @@ class Coordinator:
         if gone:
             self.redis.zrem(self.keys.deadlines, *gone)
         live = [v for v in views.values() if v.state.version]
-        leased = self.store.leased({v.workflow: self.machine.due_steps(v, now) for v in live})
+        leased = self._alive({v.workflow: v for v in live}, now)
         barriers = {v.workflow for v in live if self.machine.barrier_due(v, now)}
         held = self._pending_workflows() & barriers if barriers else set()
         for view in live:
@@ -399,6 +402,41 @@ class Coordinator:
         self.store.follow_up([index_item(v, self.machine.next_deadline(v), True) for v in committed], committed, [])
         self.store.settle(committed, [])
         return len(committed)
+
+    def _alive(self, views: dict[str, WorkflowView], now: float) -> dict[str, set[str]]:
+        """workflow -> its due compensations that are not silent, from facts outside its keys.
+
+        Alive: the lease exists (a call in flight), or the job waits in the queue for a free
+        worker. A job that ran to its end (or expired) wrote its report before it returned, so
+        while an entry of the workflow is pending or entries are not yet delivered, that report
+        may be among them: not silent yet. A job RQ marked started with no lease left is a worker
+        that died: silent.
+        """
+        due = {w: self.machine.due_steps(v, now) for w, v in views.items()}
+        signs = self.store.signs_of_life(
+            {w: [(s, job_id_for(views[w].comps[s].idempotency_key or "", views[w].comps[s].dispatch)) for s in steps]
+             for w, steps in due.items()}
+        )  # fmt: skip
+        ended = {w for w, found in signs.items() if any(not ok and st not in LIVE_JOB for ok, st in found.values())}
+        unread: set[str] = set()
+        if ended:
+            unread = ended if self._undelivered() else self._pending_workflows() & ended
+        return {
+            w: {s for s, (lease, st) in found.items() if lease or st == "queued" or (w in unread and st != "started")}
+            for w, found in signs.items()
+        }
+
+    def _undelivered(self) -> bool:
+        """Whether `saga:events` holds entries the group has not delivered to any coordinator yet."""
+        try:
+            last = self.redis.xinfo_stream(self.keys.events)["last-generated-id"]
+            groups = self.redis.xinfo_groups(self.keys.events)
+        except ResponseError:
+            return False
+        mine = next((g for g in groups if g["name"] in (self.keys.group, self.keys.group.encode())), None)
+        if mine is None:
+            return True
+        return stream_id(_text(mine["last-delivered-id"])) < stream_id(_text(last))
 
     def _pending_workflows(self, limit: int = 10_000) -> set[str]:
         """Workflows with an entry delivered to some coordinator and not acknowledged yet."""
@@ -441,6 +479,10 @@ class Coordinator:
         if not floor:
             return 0
         return self.redis.xtrim(self.keys.events, minid=min(floor, key=stream_id), approximate=False)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _next_id(entry_id: str) -> str:

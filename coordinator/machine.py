@@ -149,9 +149,11 @@ class Machine:
     ) -> None:
         """The watchdog's look at a workflow: an expired barrier, a compensation gone silent.
 
-        `leased` names the steps whose lease key exists (a worker holds it while a call is in
-        flight). A compensation is silent when, for `watchdog_after` seconds, no report of its
-        current dispatch arrived and its lease does not exist; only a silent one is dispatched again.
+        `leased` names the steps that showed a sign of life the machine cannot see in the records:
+        their lease key exists (a worker holds it while a call is in flight) or their job still
+        waits in the queue for a free worker. A compensation is silent when, for `watchdog_after`
+        seconds, no report of its current dispatch arrived (nor was a retry of it due) and it shows
+        no such sign; only a silent one is dispatched again.
         `hold_barrier`: an entry of this workflow is still pending in the consumer group, so an
         announced step may be on its way; the barrier does not expire yet.
         """
@@ -181,7 +183,7 @@ class Machine:
                 "watchdog-redispatch",
                 now,
                 comp.step,
-                detail=f"no report and no lease for {now - max(comp.queued_at, comp.heard_at):.0f}s "
+                detail=f"no report and no lease for {now - max(comp.queued_at, comp.heard_at, comp.retry_at):.0f}s "
                 f"in dispatch {comp.dispatch} ({comp.spent} of {self.attempts} attempts used)",
                 key=comp.idempotency_key,
             )
@@ -201,7 +203,7 @@ class Machine:
 
     def silent_until(self, comp: Compensation) -> float:
         """When an in-flight compensation counts as silent unless its lease is alive."""
-        return max(comp.queued_at, comp.heard_at) + self.settings.watchdog_after
+        return max(comp.queued_at, comp.heard_at, comp.retry_at) + self.settings.watchdog_after
 
     def due_steps(self, view: WorkflowView, now: float) -> list[str]:
         """Steps whose silence the watchdog must confirm (their lease checked) before `tick`."""
@@ -383,6 +385,8 @@ class Machine:
                 self._outcome(view, "compensation-failed", now, comp.step, "failed", data.error)
             else:
                 comp.status = "running"
+                # RQ parks the next attempt for its backoff: no report and no lease until then.
+                comp.retry_at = now + self.config.worker.retry_wait(comp.spent - 1)
             view.note(
                 "compensation-failed" if data.final else "compensation-attempt-failed",
                 now,
@@ -469,6 +473,7 @@ class Machine:
         comp.attempt = 0
         comp.queued_at = now
         comp.heard_at = 0.0
+        comp.retry_at = 0.0
         view.put(comp, now)
         view.jobs.append(self.job_for(view.workflow, comp))
         view.note(

@@ -102,6 +102,9 @@ class Compensation(Struct, rename="camel", omit_defaults=False):
     # Attempts used since the plan or the last operator retry, across dispatches: a re-dispatch by
     # the watchdog continues this budget instead of starting a fresh one.
     spent: int = 0
+    # When the retry RQ scheduled after the current dispatch's last failed attempt is due at the
+    # latest (0: none waits): silence counts from here, so a retry's backoff is never silence.
+    retry_at: float = 0.0
 
 
 class CompensationJob(Struct, rename="camel", frozen=True):
@@ -129,7 +132,12 @@ class CompensationJob(Struct, rename="camel", frozen=True):
     @property
     def job_id(self) -> str:
         """RQ job id: one per (compensation, dispatch), so a re-dispatch is a new job, a redelivery is not."""
-        return f"saga-{_digest(self.idempotency_key)}-{self.dispatch}"
+        return job_id_for(self.idempotency_key, self.dispatch)
+
+
+def job_id_for(key: str, dispatch: int) -> str:
+    """The RQ job id of one dispatch of the compensation with idempotency key `key`."""
+    return f"saga-{_digest(key)}-{dispatch}"
 
 
 def idempotency_key(workflow: str, step: str, operation_id: str) -> str:

@@ -283,14 +283,17 @@ def test_watchdog_spares_a_leased_or_reporting_compensation_and_keeps_its_budget
     machine.tick(view, 110.0, leased={"a"})  # a call in flight holds the lease: not silent
     assert view.jobs == [] and machine.next_deadline(view) == 120.0
     failed = CompensationFailed(step="a", dispatch=1, attempt=1, final=False, retryable=True, error="timeout")
-    fold(machine, view, failed, now=115.0)  # an attempt report pushes the deadline
-    machine.tick(view, 120.0)
-    assert view.jobs == [] and machine.next_deadline(view) == 125.0
-    machine.tick(view, 125.0)  # silent now: dispatched again, with the attempt already used
+    fold(machine, view, failed, now=115.0)  # an attempt report pushes the deadline past RQ's backoff
+    wait = machine.config.worker.retry_wait(0)  # the longest RQ may park the first retry
+    assert view.comps["a"].retry_at == 115.0 + wait
+    machine.tick(view, 125.0)
+    assert view.jobs == [] and machine.next_deadline(view) == 125.0 + wait
+    machine.tick(view, 125.0 + wait)  # silent now: dispatched again, with the attempt already used
     (second,) = view.jobs
     assert (second.dispatch, second.attempts_used) == (2, 1)
     # The superseded dispatch's late attempt report changes nothing.
-    fold(machine, view, CompensationFailed(step="a", dispatch=1, attempt=2, final=True, error="late"), now=126.0)
+    assert view.comps["a"].retry_at == 0.0
+    fold(machine, view, CompensationFailed(step="a", dispatch=1, attempt=2, final=True, error="late"), now=130.0)
     assert view.comps["a"].status == "queued" and view.comps["a"].spent == 1
 
 

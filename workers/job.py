@@ -158,8 +158,21 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
     intervals = list(rq_job.retry_intervals or ())
     base = rq_job.meta.get("base_id", rq_job.id)
     deferrals = int(rq_job.meta.get("deferrals", 0)) + 1
+    delay = min(2 ** (deferrals - 1), DEFER_MAX_SECONDS)
+    # The lease parked for the wait (plus a lease, for a scheduler a little late): a deferred job
+    # is not silent, and the coordinator's short watchdog does not dispatch it again meanwhile.
+    lease = Lease(
+        ctx.redis,
+        Keys(job.prefix).lease(job.workflow, job.step),
+        ctx.name,
+        ctx.config.worker.lease,
+        workflow=job.workflow,
+        step=job.step,
+        token=rq_job.meta.get("lease_token"),
+    )
+    parked = {"lease_token": lease.token} if lease.park(delay + ctx.config.worker.lease) else {}
     continuation = Queue(rq_job.origin, connection=ctx.redis).enqueue_in(
-        timedelta(seconds=min(2 ** (deferrals - 1), DEFER_MAX_SECONDS)),
+        timedelta(seconds=delay),
         rq_job.func_name,
         payload,
         job_id=f"{base}-w{deferrals}",
@@ -168,7 +181,7 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
         result_ttl=rq_job.result_ttl,
         failure_ttl=rq_job.failure_ttl,
         description=rq_job.description,
-        meta={**rq_job.meta, "first_attempt": attempt, "deferrals": deferrals, "base_id": base},
+        meta={**rq_job.meta, "first_attempt": attempt, "deferrals": deferrals, "base_id": base, **parked},
     )
     log.info(
         "compensation deferred: its server has every slot it may use in this worker",
@@ -193,6 +206,7 @@ class _Attempt:
             ctx.config.worker.lease,
             workflow=job.workflow,
             step=job.step,
+            token=rq_job.meta.get("lease_token") if rq_job is not None else None,
         )
         self.started = time.monotonic()
         self.report: Payload | None = None
@@ -207,7 +221,8 @@ class _Attempt:
             pipe.hget(self.keys.comp(job.workflow), job.step)
             if job.seq >= 0:  # the recorded step, which the trust checks compare the live declaration with
                 pipe.lindex(self.keys.steps(job.workflow), job.seq)
-            leased, holder, raw, *step = pipe.execute()
+            taken, holder, raw, *step = pipe.execute()
+        leased = self.lease.taken((taken, holder))
         self.step_raw = step[0] if step else None
         record = comp_decoder.decode(raw) if raw else None
         skip = self._skip_reason(record)

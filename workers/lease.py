@@ -105,9 +105,12 @@ _keeper = _Keeper()
 class Lease:
     """One attempt's hold on a compensation; `take` and `release` ride in the caller's pipeline."""
 
-    def __init__(self, redis: Redis, key: str, holder: str, seconds: float, *, workflow: str, step: str) -> None:
+    def __init__(
+        self, redis: Redis, key: str, holder: str, seconds: float, *, workflow: str, step: str, token: str | None = None
+    ) -> None:
         self.redis, self.key = redis, key
-        self.token = f"{holder}:{uuid.uuid4().hex}"
+        # A deferred job's continuation adopts the token its deferral parked the lease under.
+        self.token = token or f"{holder}:{uuid.uuid4().hex}"
         self.ms = max(1, int(seconds * 1000))
         self.every = seconds / 3
         self.workflow, self.step = workflow, step
@@ -118,6 +121,24 @@ class Lease:
         """Queue SET NX and a GET of the holder: (taken, holder) come back from `pipe.execute()`."""
         pipe.set(self.key, self.token, nx=True, px=self.ms)
         pipe.get(self.key)
+
+    def taken(self, reply: tuple[object, object]) -> bool:
+        """Whether the lease is ours, from `take`'s two replies (set, or already held under our token)."""
+        done, holder = reply
+        return bool(done) or (holder.decode() if isinstance(holder, bytes) else holder) == self.token
+
+    def park(self, seconds: float) -> bool:
+        """Hold the lease for `seconds` with no heartbeat: a deferred job's continuation is due by then.
+
+        Keeps the compensation from looking silent while it waits; False when another worker holds
+        the lease (then nothing is parked, and the continuation will find it held, as any job would).
+        """
+        ms = max(1, int(seconds * 1000))
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.eval(RENEW, 1, self.key, self.token, ms)
+            pipe.set(self.key, self.token, nx=True, px=ms)
+            renewed, taken = pipe.execute()
+        return bool(renewed or taken)
 
     def hold(self) -> None:
         """Keep the lease alive: the first renewal comes a third of a lease after it was taken."""
