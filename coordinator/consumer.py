@@ -25,7 +25,7 @@ from mcp_saga.runtime.redis_checks import RateLimitedLog, check_redis, healing_c
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry, stream_id
 from mcp_saga.schemas.keys import STATUSES, Keys
-from mcp_saga.schemas.records import job_id_for
+from mcp_saga.schemas.records import Compensation, job_id_for
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -349,9 +349,9 @@ class Coordinator:
         if ensure:  # a redelivered batch: its first run may have committed but not enqueued
             known = {(j.workflow, j.step, j.dispatch) for j in jobs}
             for view in views:
-                for comp in view.comps.values():
-                    if comp.status == "queued" and (view.workflow, comp.step, comp.dispatch) not in known:
-                        jobs.append(self.machine.job_for(view.workflow, comp))
+                for job in self.machine.jobs_in_flight(view):
+                    if (job.workflow, job.step, job.dispatch) not in known:
+                        jobs.append(job)
         queued = 0
         for job in jobs:
             if enqueue(self.queue, job, self.config.worker):
@@ -414,9 +414,8 @@ class Coordinator:
         """
         due = {w: self.machine.due_steps(v, now) for w, v in views.items()}
         signs = self.store.signs_of_life(
-            {w: [(s, job_id_for(views[w].comps[s].idempotency_key or "", views[w].comps[s].dispatch)) for s in steps]
-             for w, steps in due.items()}
-        )  # fmt: skip
+            {w: [(s, _job_of(views[w].comps[s])) for s in steps] for w, steps in due.items()}
+        )
         ended = {w for w, found in signs.items() if any(not ok and st not in LIVE_JOB for ok, st in found.values())}
         unread: set[str] = set()
         if ended:
@@ -479,6 +478,11 @@ class Coordinator:
         if not floor:
             return 0
         return self.redis.xtrim(self.keys.events, minid=min(floor, key=stream_id), approximate=False)
+
+
+def _job_of(comp: Compensation) -> str:
+    """The RQ job that carries the compensation's current dispatch: its own, or its slip's."""
+    return comp.via or job_id_for(comp.idempotency_key or "", comp.dispatch)
 
 
 def _text(value: object) -> str:

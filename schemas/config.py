@@ -115,6 +115,9 @@ class CoordinatorSettings(_Strict):
     # coordinator that died is claimed before the barrier gives up on it (see `guarantee_problems`).
     barrier_grace: float = Field(default=60.0, ge=0, description="seconds to wait for missing steps")
     parallel: bool = False
+    # Routing slip: a one-at-a-time unwind hands one job up to this many of the next compensations
+    # (auto-approved, ready to run) behind the first, run by one worker in LIFO order (0: off).
+    slip: int = Field(default=50, ge=0, le=1000)
     on_failure: Literal["halt", "continue"] = "halt"
     retention_completed: int = Field(default=86_400, ge=1)
     retention_compensated: int = Field(default=7 * 86_400, ge=1)

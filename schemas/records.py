@@ -105,6 +105,9 @@ class Compensation(Struct, rename="camel", omit_defaults=False):
     # When the retry RQ scheduled after the current dispatch's last failed attempt is due at the
     # latest (0: none waits): silence counts from here, so a retry's backoff is never silence.
     retry_at: float = 0.0
+    # The RQ job id of the routing slip that carries this dispatch behind the slip's first step
+    # ('' when the dispatch is a job of its own): the watchdog reads that job's status.
+    via: str = ""
 
 
 class CompensationJob(Struct, rename="camel", frozen=True):
@@ -128,6 +131,9 @@ class CompensationJob(Struct, rename="camel", frozen=True):
     attempts_used: int = 0
     # W3C trace context (`traceparent`, `tracestate`) of the transition that dispatched this job.
     trace: dict[str, str] | None = None
+    # The routing slip: compensations to run after this one, in this order, once it succeeded and
+    # while each next one's record still says it is queued under this slip (see workers/job.py).
+    then: tuple[CompensationJob, ...] = ()
 
     @property
     def job_id(self) -> str:

@@ -60,12 +60,20 @@ def new_view(workflow: str = "order-1") -> WorkflowView:
 
 
 def settle(machine: Machine, view: WorkflowView, now: float = 101.0) -> list[str]:
-    """Let a perfect worker succeed every job, in the order the machine dispatches them."""
+    """Let a perfect worker succeed every job, in the order the machine dispatches them.
+
+    A job's routing slip runs after it, step after step, while each step's record is still queued
+    under that dispatch (as `workers/job.py` checks).
+    """
     order = []
     while view.jobs:
         job = view.jobs.pop(0)
-        order.append(job.step)
-        fold(machine, view, CompensationSucceeded(step=job.step, dispatch=job.dispatch), now=now)
+        for one in (job, *job.then):
+            comp = view.comps[one.step]
+            if one is not job and (comp.status != "queued" or comp.dispatch != one.dispatch):
+                break
+            order.append(one.step)
+            fold(machine, view, CompensationSucceeded(step=one.step, dispatch=one.dispatch), now=now)
     return order
 
 

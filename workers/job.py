@@ -57,7 +57,7 @@ from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.records import SETTLED, Compensation, CompensationJob, arguments_digest, comp_decoder, job_decoder
 from mcp_saga.schemas.results import result_text
 from mcp_saga.workers import trust
-from mcp_saga.workers.lease import Lease
+from mcp_saga.workers.lease import Lease, park_all, release_all
 from redis import Redis
 from rq import Queue, Retry, get_current_job
 from rq.job import Job
@@ -149,7 +149,62 @@ def compensate(payload: str) -> str:
     with ctx.pool.slot(job.server) as free:
         if not free and rq_job is not None:
             return _defer(ctx, job, rq_job, payload)
-        return _Attempt(ctx, job, rq_job).run()
+        slip = _park(ctx, job.then)
+        try:
+            outcome = _Attempt(ctx, job, rq_job).run()
+        except BaseException:
+            release_all([lease for _, lease in slip])
+            raise
+    if not slip:
+        return outcome
+    return outcome + _run_slip(ctx, slip, outcome == "succeeded")
+
+
+def _park(ctx: WorkerContext, then: tuple[CompensationJob, ...]) -> list[tuple[CompensationJob, Lease]]:
+    """Lease every step of the slip up front, so none looks silent while it waits its turn.
+
+    The slip ends before the first step whose lease another worker holds.
+    """
+    leases = [_lease(ctx, member) for member in then]
+    parked = park_all(leases, ctx.config.worker.lease)
+    cut = parked.index(False) if False in parked else len(leases)
+    release_all([lease for lease, ok in zip(leases[cut:], parked[cut:], strict=True) if ok])
+    for lease in leases[:cut]:
+        lease.hold()
+    return list(zip(then[:cut], leases[:cut], strict=True))
+
+
+def _run_slip(ctx: WorkerContext, slip: list[tuple[CompensationJob, Lease]], go_on: bool) -> str:
+    """Run the slip's steps in order while each succeeds; report each as its own attempt.
+
+    Stops at the first that does not succeed (a failure, a refusal, awaiting approval) or whose
+    record is no longer queued under this slip (the coordinator took it back); the steps after
+    it are released, and the coordinator, the only writer, decides them anew.
+    """
+    done = 0
+    for n, (member, lease) in enumerate(slip):
+        outcome = ""
+        if go_on:
+            with ctx.pool.slot(member.server) as free:
+                outcome = _Attempt(ctx, member, None, token=lease.token).run() if free else ""
+        if outcome != "succeeded":
+            release_all([other for _, other in slip[n + (1 if outcome else 0) :]])
+            stopped = f"; stopped at {member.step}: {outcome or 'not run'}"
+            return f"; slip: {done} of {len(slip)} succeeded{stopped if outcome or go_on else ''}"
+        done += 1
+    return f"; slip: {done} of {len(slip)} succeeded"
+
+
+def _lease(ctx: WorkerContext, job: CompensationJob, token: str | None = None) -> Lease:
+    return Lease(
+        ctx.redis,
+        Keys(job.prefix).lease(job.workflow, job.step),
+        ctx.name,
+        ctx.config.worker.lease,
+        workflow=job.workflow,
+        step=job.step,
+        token=token,
+    )
 
 
 def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) -> str:
@@ -161,15 +216,7 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
     delay = min(2 ** (deferrals - 1), DEFER_MAX_SECONDS)
     # The lease parked for the wait (plus a lease, for a scheduler a little late): a deferred job
     # is not silent, and the coordinator's short watchdog does not dispatch it again meanwhile.
-    lease = Lease(
-        ctx.redis,
-        Keys(job.prefix).lease(job.workflow, job.step),
-        ctx.name,
-        ctx.config.worker.lease,
-        workflow=job.workflow,
-        step=job.step,
-        token=rq_job.meta.get("lease_token"),
-    )
+    lease = _lease(ctx, job, rq_job.meta.get("lease_token"))
     parked = {"lease_token": lease.token} if lease.park(delay + ctx.config.worker.lease) else {}
     continuation = Queue(rq_job.origin, connection=ctx.redis).enqueue_in(
         timedelta(seconds=delay),
@@ -196,18 +243,18 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
 
 
 class _Attempt:
-    def __init__(self, ctx: WorkerContext, job: CompensationJob, rq_job: Job | None):
+    def __init__(self, ctx: WorkerContext, job: CompensationJob, rq_job: Job | None, *, token: str | None = None):
+        """`token`: a step of a routing slip (no RQ job of its own), under the lease parked for it."""
         self.ctx, self.job, self.keys = ctx, job, Keys(job.prefix)
-        self.attempt, self.retries_left = attempt_of(rq_job, ctx.config.worker, job.attempts_used)
-        self.lease = Lease(
-            ctx.redis,
-            self.keys.lease(job.workflow, job.step),
-            ctx.name,
-            ctx.config.worker.lease,
-            workflow=job.workflow,
-            step=job.step,
-            token=rq_job.meta.get("lease_token") if rq_job is not None else None,
-        )
+        self.in_slip = token is not None
+        if self.in_slip:  # one attempt here; a retry is the coordinator's next dispatch
+            self.attempt = job.attempts_used + 1
+            self.retries_left = max(0, ctx.config.worker.attempts - self.attempt)
+        else:
+            self.attempt, self.retries_left = attempt_of(rq_job, ctx.config.worker, job.attempts_used)
+        if token is None and rq_job is not None:
+            token = rq_job.meta.get("lease_token")
+        self.lease = _lease(ctx, job, token)
         self.started = time.monotonic()
         self.report: Payload | None = None
         self.traced: tracing.Attempt | None = None
@@ -257,6 +304,8 @@ class _Attempt:
             return f"already {record.status}"
         if record.dispatch > self.job.dispatch:
             return f"stale dispatch {self.job.dispatch}; the record is at dispatch {record.dispatch}"
+        if self.in_slip and (record.status != "queued" or record.dispatch != self.job.dispatch):
+            return f"taken back from the routing slip (the record is {record.status}, dispatch {record.dispatch})"
         return None
 
     def _perform(self, record: Compensation) -> str:
@@ -320,7 +369,7 @@ class _Attempt:
         report = CompensationFailed(**self._fields(final=final), error=clip(error), retryable=retryable)
         self._report(report)
         self._log("warning" if final else "info", "failed", retryable=retryable, final=final, error=clip(error))
-        if not final:
+        if not final and not self.in_slip:
             raise RetryableFailure(error)
         return f"failed: {error[:200]}"
 

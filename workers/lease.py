@@ -133,12 +133,7 @@ class Lease:
         Keeps the compensation from looking silent while it waits; False when another worker holds
         the lease (then nothing is parked, and the continuation will find it held, as any job would).
         """
-        ms = max(1, int(seconds * 1000))
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.eval(RENEW, 1, self.key, self.token, ms)
-            pipe.set(self.key, self.token, nx=True, px=ms)
-            renewed, taken = pipe.execute()
-        return bool(renewed or taken)
+        return park_all([self], seconds)[0]
 
     def hold(self) -> None:
         """Keep the lease alive: the first renewal comes a third of a lease after it was taken."""
@@ -149,3 +144,26 @@ class Lease:
         """Stop renewing and queue the release (a no-op when the lease is no longer ours)."""
         _keeper.remove(self)
         pipe.eval(RELEASE, 1, self.key, self.token)  # EVALSHA would add a SCRIPT EXISTS trip
+
+
+def park_all(leases: list[Lease], seconds: float) -> list[bool]:
+    """`Lease.park` for several leases in one round trip (a routing slip's steps)."""
+    if not leases:
+        return []
+    ms = max(1, int(seconds * 1000))
+    with leases[0].redis.pipeline(transaction=False) as pipe:
+        for lease in leases:
+            pipe.eval(RENEW, 1, lease.key, lease.token, ms)
+            pipe.set(lease.key, lease.token, nx=True, px=ms)
+        replies = pipe.execute()
+    return [bool(replies[2 * n] or replies[2 * n + 1]) for n in range(len(leases))]
+
+
+def release_all(leases: list[Lease]) -> None:
+    """Release several leases in one round trip (the steps of a slip that stopped before them)."""
+    if not leases:
+        return
+    with leases[0].redis.pipeline(transaction=False) as pipe:
+        for lease in leases:
+            lease.release(pipe)
+        pipe.execute()
