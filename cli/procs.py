@@ -58,12 +58,17 @@ def saga_process(
             out.close()  # type: ignore[union-attr]
 
 
+# How long a server may take to start listening. A dead one fails at once (its exit is seen), so this
+# only has to outlast a slow start: Python + mcp imports alone took 6 s on this 2-core box under load.
+START_TIMEOUT = 60.0
+
+
 def stdio_params(module: str, *args: str, env: Mapping[str, str] | None = None) -> StdioServerParameters:
     """Parameters for `Client(...)` that spawn `python -m module *args` from the repository root."""
     return StdioServerParameters(command=sys.executable, args=["-m", module, *args], env=dict(env or {}), cwd=str(REPO))
 
 
-def wait_until_accepting(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+def wait_until_accepting(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float = START_TIMEOUT) -> None:
     """Block until `host:port` accepts connections; fail early, with the server's stderr, if it dies."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -79,7 +84,7 @@ def wait_until_accepting(host: str, port: int, proc: subprocess.Popen[bytes], ti
 
 @contextmanager
 def start_http_server(
-    module: str, *args: str, env: Mapping[str, str] | None = None, host: str = HOST, timeout: float = 20.0
+    module: str, *args: str, env: Mapping[str, str] | None = None, host: str = HOST, timeout: float = START_TIMEOUT
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """Run `python -m module --http PORT --host HOST *args`; yield the process and its `/mcp` URL.
 
@@ -91,7 +96,7 @@ def start_http_server(
 
 @contextmanager
 def start_http_servers(
-    *specs: Sequence[str], env: Mapping[str, str] | None = None, host: str = HOST, timeout: float = 20.0
+    *specs: Sequence[str], env: Mapping[str, str] | None = None, host: str = HOST, timeout: float = START_TIMEOUT
 ) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
     """Start several `(module, *args)` servers at once, so N of them cost about the start-up of one.
 
