@@ -40,8 +40,6 @@ MAX_CONFLICT_RETRIES = 20
 MAX_OUTAGE_BACKOFF = 2.0
 # Longest pause while Redis refuses writes (OOM, read-only replica, failed persistence).
 MAX_REFUSAL_BACKOFF = 5.0
-# RQ job statuses that say nothing was reported yet: waiting for a worker, or being run by one.
-LIVE_JOB = ("queued", "started")
 # Workflows whose step count a coordinator remembers for the fast path (see _record_fresh_steps).
 STEP_COUNT_CACHE = 100_000
 # Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
@@ -407,21 +405,22 @@ class Coordinator:
         """workflow -> its due compensations that are not silent, from facts outside its keys.
 
         Alive: the lease exists (a call in flight), or the job waits in the queue for a free
-        worker. A job that ran to its end (or expired) wrote its report before it returned, so
-        while an entry of the workflow is pending or entries are not yet delivered, that report
-        may be among them: not silent yet. A job RQ marked started with no lease left is a worker
-        that died: silent.
+        worker. Otherwise the attempt either ended or its worker died. An attempt that ended wrote
+        its report with the release of its lease (one pipeline, report first), so while an entry of
+        the workflow is pending or entries are not yet delivered, that report may be among them:
+        not silent yet. That holds for a job RQ still shows as started too: a routing slip's job
+        runs on after each of its steps reported. Else it is a worker that died: silent.
         """
         due = {w: self.machine.due_steps(v, now) for w, v in views.items()}
         signs = self.store.signs_of_life(
             {w: [(s, _job_of(views[w].comps[s])) for s in steps] for w, steps in due.items()}
         )
-        ended = {w for w, found in signs.items() if any(not ok and st not in LIVE_JOB for ok, st in found.values())}
+        quiet = {w for w, found in signs.items() if any(not ok and st != "queued" for ok, st in found.values())}
         unread: set[str] = set()
-        if ended:
-            unread = ended if self._undelivered() else self._pending_workflows() & ended
+        if quiet:
+            unread = quiet if self._undelivered() else self._pending_workflows() & quiet
         return {
-            w: {s for s, (lease, st) in found.items() if lease or st == "queued" or (w in unread and st != "started")}
+            w: {s for s, (lease, st) in found.items() if lease or st == "queued" or w in unread}
             for w, found in signs.items()
         }
 
