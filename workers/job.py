@@ -181,18 +181,22 @@ def _run_slip(ctx: WorkerContext, slip: list[tuple[CompensationJob, Lease]], go_
     record is no longer queued under this slip (the coordinator took it back); the steps after
     it are released, and the coordinator, the only writer, decides them anew.
     """
-    done = 0
-    for n, (member, lease) in enumerate(slip):
-        outcome = ""
-        if go_on:
-            with ctx.pool.slot(member.server) as free:
-                outcome = _Attempt(ctx, member, None, token=lease.token).run() if free else ""
-        if outcome != "succeeded":
-            release_all([other for _, other in slip[n + (1 if outcome else 0) :]])
-            stopped = f"; stopped at {member.step}: {outcome or 'not run'}"
-            return f"; slip: {done} of {len(slip)} succeeded{stopped if outcome or go_on else ''}"
-        done += 1
-    return f"; slip: {done} of {len(slip)} succeeded"
+    done, left = 0, list(slip)
+    try:
+        for member, lease in slip:
+            outcome = ""
+            if go_on:
+                with ctx.pool.slot(member.server) as free:
+                    if free:
+                        outcome = _Attempt(ctx, member, None, token=lease.token).run()
+                        left.pop(0)  # the attempt released its lease (only an error skips that)
+            if outcome != "succeeded":
+                stopped = f"; stopped at {member.step}: {outcome or 'not run'}"
+                return f"; slip: {done} of {len(slip)} succeeded{stopped if outcome or go_on else ''}"
+            done += 1
+        return f"; slip: {done} of {len(slip)} succeeded"
+    finally:  # an error or a job timeout on the way must not leave leases renewed for steps never run
+        release_all([lease for _, lease in left])
 
 
 def _lease(ctx: WorkerContext, job: CompensationJob, token: str | None = None) -> Lease:
