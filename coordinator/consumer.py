@@ -354,7 +354,8 @@ class Coordinator:
         for job in jobs:
             if enqueue(self.queue, job, self.config.worker):
                 queued += 1
-                metrics.dispatched(job)
+                for one in (job, *job.then):  # a routing slip's steps are dispatches too
+                    metrics.dispatched(one)
                 log.info(
                     "dispatched compensation",
                     workflow=job.workflow,
@@ -362,6 +363,7 @@ class Coordinator:
                     server=job.server,
                     operation=job.operation_id,
                     dispatch=job.dispatch,
+                    slip=",".join(m.step for m in job.then) or None,
                 )
         return queued
 
