@@ -43,7 +43,7 @@ def _operator(command: str) -> Callable[[Ops], int]:
             print(
                 f"sent {payload.TYPE} for {workflow}"
                 + (f" step {step}" if step else f" ({', '.join(targets)})")
-                + f" by {by} as {keys.events} entry {sent.id}"
+                + f" by {by} as {keys.route(workflow).events} entry {sent.id}"
             )
             if prepared.hint:
                 print(f"note: {prepared.hint}")

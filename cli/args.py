@@ -9,10 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
+from mcp_saga.runtime.connect import connect, connect_queue
 from mcp_saga.runtime.reader import Reader
 from mcp_saga.schemas.config import Config, load_config
 from mcp_saga.schemas.keys import Keys
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
@@ -34,13 +36,14 @@ def config_of(args: argparse.Namespace) -> Config:
 @dataclass(frozen=True, slots=True)
 class Ops:
     args: argparse.Namespace
-    r: redis.Redis
+    r: redis.Redis  # a RedisCluster with `[redis] cluster`
     keys: Keys
     config: Config
+    queue: redis.Redis  # RQ's Redis (`[redis] queue_url`), else `r`
 
     @property
     def reader(self) -> Reader:
-        return Reader(self.r, self.keys)
+        return Reader(self.r, self.keys, self.queue)
 
 
 def with_redis(fn: Callable[[Ops], int]) -> Callable[[argparse.Namespace], int]:
@@ -49,13 +52,18 @@ def with_redis(fn: Callable[[Ops], int]) -> Callable[[argparse.Namespace], int]:
     @functools.wraps(fn)
     def run(args: argparse.Namespace) -> int:
         config = config_of(args)
-        client = redis.Redis.from_url(redis_url(args))
         try:
-            return fn(Ops(args, client, Keys(config.prefix), config))
+            client = connect(redis_url(args), config.redis)
+            queue = connect_queue(redis_url(args), config.redis) if config.redis.queue_url else client
+        except (RedisConnectionError, RedisTimeoutError, RedisClusterException) as exc:  # a cluster connects at once
+            raise CliError(f"cannot reach Redis: {exc}") from None
+        try:
+            return fn(Ops(args, client, config.keys(), config, queue))
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise CliError(f"cannot reach Redis: {exc}") from None
         finally:
-            client.close()
+            for c in dict.fromkeys([client, queue]):
+                c.close()
 
     return run
 

@@ -12,12 +12,11 @@ log = get_logger("console")
 
 
 def cmd_console(args: argparse.Namespace) -> int:
-    import redis
     import uvicorn
     from mcp_saga.console import Credentials, create_app
     from mcp_saga.console.auth import TOKEN_ENV, USERS_ENV, CredentialsError
+    from mcp_saga.runtime.connect import connect, connect_queue
     from mcp_saga.schemas.config import ConsoleSettings
-    from mcp_saga.schemas.keys import Keys
     from pydantic import ValidationError
 
     config = config_of(args)
@@ -35,8 +34,9 @@ def cmd_console(args: argparse.Namespace) -> int:
             f"no credentials: set {TOKEN_ENV} (bearer token) or {USERS_ENV} (name:password,...) "
             "or, for a look-only console, `[console] read_open = true`"
         )
-    client = redis.Redis.from_url(redis_url(args), socket_timeout=5, health_check_interval=30)
-    app = create_app(client, Keys(config.prefix), settings, credentials)
+    client = connect(redis_url(args), config.redis, socket_timeout=5, health_check_interval=30)
+    queue = connect_queue(redis_url(args), config.redis, socket_timeout=5) if config.redis.queue_url else None
+    app = create_app(client, config.keys(), settings, credentials, queue=queue)
     log.info("console listening", url=f"http://{settings.host}:{settings.port}/", read_open=settings.read_open)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
     return 0

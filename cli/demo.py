@@ -69,6 +69,7 @@ def run_scenario(args: argparse.Namespace) -> int:
     urls = {name: config.servers[name].url or "" for name in SERVERS}
     demo = Demo(redis_url(args), Path(tempfile.gettempdir()), Console(), 0)
     demo.workflow = args.workflow or demo.workflow
+    demo.config = config  # a cluster's, say: the SDK connects and routes as the config says
     steps = [
         (s, t, {**a, "simulateFailure": False} if args.succeed and t == "create_shipment" else a)
         for s, t, a in SCENARIO
@@ -103,6 +104,7 @@ class Demo:
         self.timeout = timeout
         self.workflow = f"order-42-{int(time.time())}"
         self.keys = Keys()
+        self.config: Config | None = None
 
     def run(self) -> int:
         from mcp_saga.cli.procs import start_http_servers
@@ -176,7 +178,9 @@ class Demo:
         async with contextlib.AsyncExitStack() as stack:
             clients = {name: await stack.enter_async_context(Client(url)) for name, url in urls.items()}
             try:
-                async with mcp_saga.workflow(self.workflow, redis=self.redis_url, servers=clients) as wf:
+                async with mcp_saga.workflow(
+                    self.workflow, redis=self.redis_url, servers=clients, config=self.config
+                ) as wf:
                     for server, tool, arguments in scenario:
                         await wf.call(server, tool, arguments)
                         self.console.print(f"  {server}:{tool} done, published step-completed")

@@ -20,9 +20,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 def _signal(kind: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         import redis
+        from mcp_saga.runtime.connect import connect
         from mcp_saga.runtime.publish import Publisher
 
-        publisher = Publisher(redis.Redis.from_url(redis_url(args)), config_of(args).prefix)
+        config = config_of(args)
+        publisher = Publisher(connect(redis_url(args), config.redis), config.prefix, config.redis.partitions)
         try:
             if kind == "fail":
                 entry = publisher.workflow_failed(args.workflow, args.reason)

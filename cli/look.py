@@ -13,11 +13,12 @@ from typing import Any
 
 import msgspec
 from mcp_saga.cli import render
-from mcp_saga.cli.args import CliError, Ops, add_command, positive, with_redis
+from mcp_saga.cli.args import CliError, Ops, add_command, config_of, positive, with_redis
 from mcp_saga.runtime import operators
+from mcp_saga.runtime.connect import node_of
 from mcp_saga.runtime.reader import WorkflowSnapshot, state_fields
 from mcp_saga.runtime.redis_checks import inspect_redis
-from mcp_saga.schemas.keys import STATUSES
+from mcp_saga.schemas.keys import STATUSES, key_slot
 from mcp_saga.schemas.records import UNWINDING, Compensation, WorkflowState
 from mcp_saga.schemas.results import result_summary
 from mcp_saga.schemas.timeline import Outcome, TimelineEntry
@@ -40,11 +41,26 @@ def cmd_inspect(ops: Ops) -> int:
     snapshot = ops.reader.snapshot(workflow, last=ops.args.last)
     if snapshot is None:
         raise CliError(f"workflow {workflow!r} expired just now")
+    where = placement(ops, workflow)
     if ops.args.json:
-        render.emit_json(snapshot_json(snapshot))
+        render.emit_json({**snapshot_json(snapshot), "where": where})
     else:
         render_snapshot(snapshot, ops.args.last)
+        rows = [(k, where[k]) for k in ("slot", "node", "partition", "stream")] + [("keys", " ".join(where["keys"]))]
+        render.console().print(render.pairs("where its keys live", rows))
     return 0
+
+
+def placement(ops: Ops, workflow: str) -> dict[str, Any]:
+    """Where a workflow's keys live: its slot (CLUSTER KEYSLOT of the id), the node, its partition's stream."""
+    keys = ops.keys.route(workflow)
+    return {
+        "slot": key_slot(workflow),
+        "node": node_of(ops.r, keys.state(workflow)) or "(a single Redis: all of it)",
+        "partition": keys.part,
+        "stream": keys.events,
+        "keys": [*keys.workflow_keys(workflow)[:4]],
+    }
 
 
 def snapshot_json(snapshot: WorkflowSnapshot) -> dict[str, Any]:
@@ -159,22 +175,25 @@ def cmd_list(ops: Ops) -> int:
 
 
 def cmd_watch(ops: Ops) -> int:
-    stream = ops.keys.outcomes
-    if ops.args.from_start:
-        last = "0-0"
-    else:  # the current end as an id, so nothing published between two reads is missed (as with `$`)
-        newest = ops.r.xrevrange(stream, count=1)
-        last = newest[0][0].decode() if newest else "0-0"
+    last: dict[str, str] = {}
+    for part in ops.keys.every():
+        if ops.args.from_start:
+            last[part.outcomes] = "0-0"
+        else:  # the current end as an id, so nothing published between two reads is missed (as with `$`)
+            newest = ops.r.xrevrange(part.outcomes, count=1)
+            last[part.outcomes] = newest[0][0].decode() if newest else "0-0"
+    # Short blocks: redis-py's default socket timeout (5 s) would cut a longer one off. One XREAD
+    # per partition in turn, as streams in different cluster slots cannot share one.
+    block = max(50, 1000 // len(last))
     seen = 0
     try:
         while True:
-            # Short blocks: redis-py's default socket timeout (5 s) would cut a longer one off.
-            for _, entries in ops.r.xread({stream: last}, count=100, block=1000) or ():
-                for entry_id, fields in entries:
-                    last = entry_id.decode()
+            for stream, after in list(last.items()):
+                for entry_id, fields in _entries(ops.r.xread({stream: after}, count=100, block=block)):
+                    last[stream] = entry_id.decode()
                     outcome = Outcome.from_fields(fields)
                     if ops.args.json:
-                        print(json.dumps({"id": last, **outcome.to_fields()}), flush=True)
+                        print(json.dumps({"id": last[stream], **outcome.to_fields()}), flush=True)
                     else:
                         rest = " ".join(
                             f"{k}={v}" for k, v in outcome.to_fields().items() if k not in ("at", "type", "workflow")
@@ -188,16 +207,24 @@ def cmd_watch(ops: Ops) -> int:
         return 0
 
 
+def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    return [entry for _, entries in reply or () for entry in entries]
+
+
 def cmd_stats(ops: Ops) -> int:
     keys = ops.keys
     counts = ops.reader.counts()
     pipe = ops.r.pipeline(transaction=False)
-    for stream in (keys.events, keys.outcomes, keys.dead_letter):
-        pipe.xlen(stream)
-    events, outcomes, dead = pipe.execute()
+    for part in keys.every():
+        for stream in (part.events, part.outcomes, part.dead_letter):
+            pipe.xlen(stream)
+    lengths = pipe.execute()
+    events, outcomes, dead = sum(lengths[0::3]), sum(lengths[1::3]), sum(lengths[2::3])
     groups = [
         {
             "name": render.text(g["name"]),
+            "partition": g["partition"],
+            "stream": g["stream"],
             "consumers": g["consumers"],
             "pending": g["pending"],
             "lag": g.get("lag"),
@@ -205,15 +232,26 @@ def cmd_stats(ops: Ops) -> int:
         }
         for g in ops.reader.groups()
     ]
+    partitions = [
+        {
+            **msgspec.to_builtins(p),
+            "node": node_of(ops.r, p.stream),
+            "outcomes": lengths[3 * p.partition + 1],
+            "deadLetters": lengths[3 * p.partition + 2],
+        }
+        for p in ops.reader.partitions(lengths[0::3])
+    ]
     depth = ops.reader.queue_depth()  # what the fleet gauges of runtime/metrics.py read too
     facts = inspect_redis(ops.r)
     stats = {
         "redis": msgspec.to_builtins(facts),
+        "cluster": ops.config.redis.cluster,
         "workflows": counts,
         "queue": {"name": keys.queue, **depth},
         "events": {"length": events, "groups": groups},
         "outcomes": outcomes,
         "deadLetters": dead,
+        "partitions": partitions,
     }
     if ops.args.json:
         render.emit_json(stats)
@@ -224,19 +262,62 @@ def cmd_stats(ops: Ops) -> int:
     out.print(render.pairs("redis", redis_rows, skip_empty=False))
     out.print(render.pairs("workflows by status", stats["workflows"].items(), skip_empty=False))
     out.print(render.pairs(f"RQ queue {keys.queue!r}", depth.items(), skip_empty=False))
-    out.print(
-        render.pairs(
-            "streams",
-            [(keys.events, events), (keys.outcomes, outcomes), (keys.dead_letter, dead)],
-            skip_empty=False,
-        )
-    )
-    if groups:
-        columns = "group, consumers, pending, lag, last delivered"
-        rows = [(g["name"], g["consumers"], g["pending"], g["lag"], g["lastDelivered"]) for g in groups]
-        out.print(render.table(f"consumer groups on {keys.events}", columns, rows))
+    if keys.partitions == 1:
+        only = keys.on(0)
+        rows = [(only.events, events), (only.outcomes, outcomes), (only.dead_letter, dead)]
+        out.print(render.pairs("streams", rows, skip_empty=False))
     else:
-        out.print(f"no consumer group on {keys.events}: no coordinator has started", markup=False)
+        rows = [("events", events), ("outcomes", outcomes), ("dead letters", dead)]
+        out.print(render.pairs(f"streams (sum of {keys.partitions} partitions)", rows, skip_empty=False))
+    columns = "partition, events stream, slot, node, events, pending, lag, outcomes, dead letters, read by"
+    cells = [
+        (
+            p["partition"],
+            p["stream"],
+            p["slot"],
+            p["node"] or "",
+            p["length"],
+            p["pending"],
+            p["lag"],
+            p["outcomes"],
+            p["deadLetters"],
+            " ".join(f"{c['name']} ({c['pending']} pending)" for c in p["coordinators"]) or "nobody",
+        )
+        for p in partitions
+    ]
+    out.print(render.table("partitions: where each lives and which coordinators read it", columns, cells))
+    if groups:
+        columns = "group, partition, consumers, pending, lag, last delivered"
+        rows = [(g["name"], g["partition"], g["consumers"], g["pending"], g["lag"], g["lastDelivered"]) for g in groups]
+        out.print(render.table("consumer groups", columns, rows))
+    else:
+        out.print("no consumer group on any events stream: no coordinator has started", markup=False)
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    """Where a workflow's events go, from the config alone (no Redis needed): what any publisher computes."""
+    workflow = args.workflow
+    try:
+        operators.check_ids(workflow)
+    except operators.CommandRefused as exc:
+        raise CliError(str(exc)) from None
+    keys = config_of(args).keys().route(workflow)
+    found = {
+        "workflow": workflow,
+        "slot": key_slot(workflow),
+        "partitions": keys.partitions,
+        "partition": keys.part,
+        "events": keys.events,
+        "outcomes": keys.outcomes,
+        "deadLetter": keys.dead_letter,
+        "keys": [*keys.workflow_keys(workflow)[:4]],
+    }
+    if args.json:
+        render.emit_json(found)
+    else:
+        rows = [(k, v if not isinstance(v, list) else " ".join(v)) for k, v in found.items()]
+        render.console().print(render.pairs(f"workflow {workflow}", rows))
     return 0
 
 
@@ -250,7 +331,7 @@ def cmd_dead_letters(ops: Ops) -> int:
         return 0
     render.console().print(
         render.table(
-            f"{ops.keys.dead_letter} (newest first, at most {ops.args.limit})",
+            f"dead letters of every partition (newest first, at most {ops.args.limit})",
             "dead-lettered, original id, type, workflow, reason, data",
             [
                 (
@@ -287,6 +368,13 @@ def register(sub: argparse._SubParsersAction, common: Callable[[argparse.Argumen
     add_command(
         sub, common, "stats", with_redis(cmd_stats), "workflows by status, queue depth, streams and consumer lag"
     )
+
+    help = "which partition, events stream and slot a workflow id maps to (CLUSTER KEYSLOT id mod partitions)"
+    p = sub.add_parser("partition", help=help, description=help)
+    common(p)
+    p.add_argument("workflow")
+    p.add_argument("--json", action="store_true", help="machine-readable JSON instead of tables")
+    p.set_defaults(run=cmd_partition)
 
     help = "recent events the coordinator could not use, and why"
     p = add_command(sub, common, "dead-letters", with_redis(cmd_dead_letters), help)

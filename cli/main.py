@@ -25,14 +25,14 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     early: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: early.append(signum))
-    import redis
-    from mcp_saga.coordinator.consumer import Coordinator
+    from mcp_saga.coordinator.partitions import run_partitions
+    from mcp_saga.runtime.connect import connect, connect_queue
 
     config = config_of(args)
-    connection = redis.Redis.from_url(redis_url(args))
-    coordinator = Coordinator(connection, config, name=args.name)
-    observe(config, "coordinator", args, connection)
-    return 0 if early else coordinator.run()
+    connection = connect(redis_url(args), config.redis)
+    queue = connect_queue(redis_url(args), config.redis) if config.redis.queue_url else connection
+    observe(config, "coordinator", args, connection, queue)
+    return 0 if early else run_partitions(connection, config, args.name, queue=queue, only=args.partition)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -45,18 +45,25 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(redis_url(args), config, name=args.name, burst=args.burst)
 
 
-def observe(config: Config, component: str, args: argparse.Namespace, connection: Redis | None = None) -> None:
+def observe(
+    config: Config,
+    component: str,
+    args: argparse.Namespace,
+    connection: Redis | None = None,
+    queue: Redis | None = None,
+) -> None:
     """Traces when the OTEL_* variables ask for them; `/metrics` for the process's lifetime (a daemon
     thread) when `[metrics] port` or `--metrics-port` says so."""
     from mcp_saga.runtime import metrics, tracing
-    from mcp_saga.schemas.keys import Keys
 
     tracing.setup(component)
     if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
         raise CliError(f"--metrics-port {args.metrics_port}: a port is 1-65535")
 
     try:
-        metrics.serve(config.metrics, component, port=args.metrics_port, redis=connection, keys=Keys(config.prefix))
+        metrics.serve(
+            config.metrics, component, port=args.metrics_port, redis=connection, keys=config.keys(), queue=queue
+        )
     except OSError as exc:
         raise CliError(
             f"cannot serve metrics on {config.metrics.address}:{args.metrics_port or config.metrics.port}: {exc}"
@@ -75,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coordinator", help="consume saga:events, keep workflow state, dispatch compensations")
     common(p)
     p.add_argument("--name", help="consumer name in the group (default: host-pid)")
+    p.add_argument(
+        "--partition",
+        type=int,
+        action="append",
+        metavar="N",
+        help="read only partition N (repeatable; default: every partition of [redis] partitions)",
+    )
     p.add_argument(
         "--metrics-port", type=int, help="serve Prometheus /metrics here (default: [metrics] port, else off)"
     )

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,8 @@ class RedisServer:
     appendonly: bool = False
     directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="saga-redis-")))
     process: subprocess.Popen[bytes] | None = None
+    # More `redis-server` options (a cluster node's, say).
+    extra: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -99,6 +102,7 @@ class RedisServer:
             "--appendfsync", "everysec",
             "--daemonize", "no",
             "--loglevel", "warning",
+            *self.extra,
         ]  # fmt: skip
         log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 - owned by the child
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -135,6 +139,92 @@ class RedisServer:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def find_redis_cli(server: str) -> str | None:
+    """The `redis-cli` beside `server` (same build), else the newest on PATH."""
+    beside = Path(server).with_name("redis-cli")
+    if beside.exists():
+        return str(beside)
+    found = [shutil.which("redis-cli", path=d) for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    usable = [f for f in dict.fromkeys(found) if f]
+    return max(usable, key=lambda b: redis_version(b) or (0,)) if usable else None
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (10000 above it, so at most 55535) is free too."""
+    while True:
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+@dataclass
+class LocalCluster:
+    """A real Redis Cluster on loopback: `primaries` primaries with `replicas` replicas each.
+
+    Started the way an operator would: each node a `redis-server --cluster-enabled yes`, joined by
+    `redis-cli --cluster create ... --cluster-replicas N --cluster-yes`. A short node timeout lets
+    a replica take over within seconds of its primary's death (what the failover tests rely on).
+    """
+
+    binary: str
+    primaries: int = 3
+    replicas: int = 1
+    node_timeout_ms: int = 1000
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """Any node's URL: a cluster client discovers the rest from it."""
+        return self.nodes[0].url
+
+    def start(self, timeout: float = 30.0) -> LocalCluster:
+        cli = find_redis_cli(self.binary)
+        if cli is None:
+            raise NoRedisError("redis-cli not found: it creates the cluster (apt-get install redis-tools)")
+        extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                 "--cluster-node-timeout", str(self.node_timeout_ms)]  # fmt: skip
+        try:
+            for _ in range(self.primaries * (1 + self.replicas)):
+                self.nodes.append(RedisServer(self.binary, port=cluster_port(), extra=extra).start())
+            addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            create = [cli, "--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas), "--cluster-yes"]
+            done = subprocess.run(create, capture_output=True, text=True, timeout=timeout)
+            if done.returncode != 0:
+                raise NoRedisError(f"redis-cli --cluster create failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Until every live node says `cluster_state:ok` and knows the same number of primaries."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = []
+            for node in self.nodes:
+                if node.process is None or node.process.poll() is not None:
+                    continue
+                with contextlib.suppress(redis.RedisError), redis.Redis(port=node.port) as client:
+                    info = client.cluster("info")
+                    states.append(info.get("cluster_state") == "ok")
+            if states and all(states):
+                return
+            if time.monotonic() > deadline:
+                raise NoRedisError(f"the cluster did not become healthy within {timeout} s")
+            time.sleep(0.1)
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
 
 
 @contextlib.contextmanager

@@ -65,9 +65,11 @@ class AuthMiddleware:
 
 
 class Console:
-    def __init__(self, redis: Redis, keys: Keys, settings: ConsoleSettings, credentials: Credentials) -> None:
+    def __init__(
+        self, redis: Redis, keys: Keys, settings: ConsoleSettings, credentials: Credentials, queue: Redis | None = None
+    ) -> None:
         self.redis, self.keys, self.settings, self.credentials = redis, keys, settings, credentials
-        self.reader = Reader(redis, keys)
+        self.reader = Reader(redis, keys, queue)
         env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(HERE / "templates"),
             autoescape=True,  # every template, whatever its name: tool results and errors are untrusted
@@ -242,8 +244,10 @@ class Console:
 CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; frame-ancestors 'none'"
 
 
-def create_app(redis: Redis, keys: Keys, settings: ConsoleSettings, credentials: Credentials) -> Starlette:
-    console = Console(redis, keys, settings, credentials)
+def create_app(
+    redis: Redis, keys: Keys, settings: ConsoleSettings, credentials: Credentials, *, queue: Redis | None = None
+) -> Starlette:
+    console = Console(redis, keys, settings, credentials, queue)
 
     def error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):

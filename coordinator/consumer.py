@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -19,12 +20,13 @@ from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
 from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, index_item
 from mcp_saga.runtime import metrics, tracing
+from mcp_saga.runtime.connect import check_layout
 from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.redis_checks import RateLimitedLog, check_redis, healing_condition
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry, stream_id
-from mcp_saga.schemas.keys import STATUSES, Keys
+from mcp_saga.schemas.keys import STATUSES
 from mcp_saga.schemas.records import Compensation, job_id_for
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -55,14 +57,21 @@ class BatchResult:
 
 
 class Coordinator:
-    def __init__(self, redis: Redis, config: Config, name: str | None = None) -> None:
+    """Consumes one partition's events stream (the only one, unless `[redis] partitions` says more).
+
+    `queue` is the RQ queue's Redis when it is not `redis` (always so on a cluster).
+    """
+
+    def __init__(
+        self, redis: Redis, config: Config, name: str | None = None, *, partition: int = 0, queue: Redis | None = None
+    ) -> None:
         self.redis = redis
         self.config = config
         self.settings = config.coordinator
-        self.keys = Keys(config.prefix)
+        self.keys = config.keys().on(partition)
         self.machine = Machine(config, prefix=config.prefix)
         self.store = Store(redis, self.keys, self.settings)
-        self.queue = queue_for(redis, self.keys.queue)
+        self.queue = queue_for(redis if queue is None else queue, self.keys.queue)
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.stopping = False
         self._next_claim = 0.0
@@ -97,8 +106,9 @@ class Coordinator:
         self.stopping = True
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, self.stop)
-        signal.signal(signal.SIGINT, self.stop)
+        if threading.current_thread() is threading.main_thread():  # else coordinator/partitions.py stops us
+            signal.signal(signal.SIGTERM, self.stop)
+            signal.signal(signal.SIGINT, self.stop)
         started, delay = False, 0.0
         checked = False
         while not self.stopping:
@@ -109,6 +119,7 @@ class Coordinator:
                         log.warning("config trade-off", detail=warning)
                     checked = True
                 if not started:
+                    check_layout(self.redis, self.keys)
                     self.ensure_group()
                     log.info("coordinator started", consumer=self.name, stream=self.keys.events, group=self.keys.group)
                     # Our own pending entries first (a restart under the same name, or a batch
@@ -248,8 +259,25 @@ class Coordinator:
             except InvalidEvent as exc:
                 dead.append((entry_id, fields, str(exc)))
                 continue
+            if (misrouted := self._misrouted(event.workflow)) is not None:
+                dead.append((entry_id, fields, misrouted))
+                continue
             groups[event.workflow].append((event, fields))
         return groups, dead
+
+    def _misrouted(self, workflow: str) -> str | None:
+        """Why an event of `workflow` does not belong on this partition's stream; None when it does.
+
+        Another partition's coordinator owns its indexes and orders its events: folding it here
+        would race that one, so it goes to the dead letters with the stream it belongs on.
+        """
+        keys = self.keys
+        if keys.partitions == 1 or (part := keys.partition_of(workflow)) == keys.part:
+            return None
+        return (
+            f"published to {keys.events}, but workflow {workflow!r} belongs to partition {part} "
+            f"({keys.on(part).events}): partition = CLUSTER KEYSLOT <workflow> mod {keys.partitions}"
+        )
 
     def _fold(self, groups: Groups, now: float, dead: list[DeadEntry]) -> tuple[list[WorkflowView], Groups, int]:
         """Load, fold and commit each workflow, again for those another coordinator changed meanwhile.

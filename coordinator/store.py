@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import msgspec
 from mcp_saga.coordinator.machine import WorkflowView
+from mcp_saga.runtime.connect import Lua
 from mcp_saga.runtime.reader import decode_records
 from mcp_saga.schemas.config import CoordinatorSettings
 from mcp_saga.schemas.keys import STATUSES, Keys
@@ -65,10 +66,10 @@ class Store:
         self.redis = redis
         self.keys = keys
         self.settings = settings
-        self._apply = redis.register_script(load_script("apply.lua"))
-        self._record_steps = redis.register_script(load_script("record_steps.lua"))
-        self._index = redis.register_script(load_script("index.lua"))
-        self._forget = redis.register_script(load_script("forget.lua"))
+        self._apply = Lua(redis, load_script("apply.lua"))
+        self._record_steps = Lua(redis, load_script("record_steps.lua"))
+        self._index = Lua(redis, load_script("index.lua"))
+        self._forget = Lua(redis, load_script("forget.lua"))
 
     def load(self, wanted: dict[str, tuple[bool, Iterable[str]]]) -> dict[str, WorkflowView]:
         """Load views: workflow -> (needs every record?, step ids the batch names).

@@ -19,11 +19,13 @@ import anyio
 import redis.asyncio as aioredis
 from mcp.server.stdio import stdio_server
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
-from mcp.server.transport_security import TransportSecuritySettings
+from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
+from mcp_saga.gateway.passthrough import PassThrough, Upstreams
 from mcp_saga.gateway.proxy import Gateway
 from mcp_saga.gateway.recorder import Recorder
+from mcp_saga.runtime.connect import connect_async
 from mcp_saga.runtime.logs import get_logger
-from mcp_saga.schemas.config import Config, ConfigError
+from mcp_saga.schemas.config import Config, ConfigError, RedisSettings
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from starlette.applications import Starlette
@@ -73,15 +75,20 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def connect_redis(url: str) -> aioredis.Redis:
+def connect_redis(url: str, settings: RedisSettings | None = None) -> aioredis.Redis:
     # Retries as in the SDK: a Redis restart of a few milliseconds must not lose a step.
-    return aioredis.Redis.from_url(url, retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 3))
+    retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 3)
+    return connect_async(url, settings or RedisSettings(), retry=retry)  # type: ignore[return-value]
 
 
 @contextlib.asynccontextmanager
 async def running(gateway: Gateway) -> AsyncIterator[None]:
     """The gateway's background work: the Redis health probe and the idle policy."""
-    tasks = [asyncio.create_task(gateway.recorder.watch_health()), asyncio.create_task(_idle_sweeper(gateway))]
+    tasks = [
+        asyncio.create_task(gateway.recorder.watch_health()),
+        asyncio.create_task(_idle_sweeper(gateway)),
+        asyncio.create_task(_warm(gateway)),
+    ]
     try:
         yield
     finally:
@@ -94,6 +101,18 @@ async def running(gateway: Gateway) -> AsyncIterator[None]:
         await gateway.recorder.publisher.redis.aclose()
 
 
+async def _warm(gateway: Gateway) -> None:
+    """Read each HTTP upstream's listing at start: opening the session that reads the live declarations
+    costs about half a second of CPU (imports, TLS context), which the first recorded call would wait for."""
+    for name, server in gateway.config.servers.items():
+        if server.url is None:
+            continue
+        try:
+            await gateway.sessions.tools(name)
+        except Exception as exc:  # not up yet: the first call reads it then
+            log.warning("upstream listing not read at start", server=name, error=repr(exc))
+
+
 async def _idle_sweeper(gateway: Gateway) -> None:
     settings = gateway.settings
     every = min(30.0, settings.idle_timeout / 4)
@@ -104,10 +123,19 @@ async def _idle_sweeper(gateway: Gateway) -> None:
             gateway.recorder.forget(workflow)
 
 
-def http_app(config: Config, redis_url: str, token: str | None) -> tuple[Starlette | BearerAuth, Gateway]:
-    """The ASGI app serving `/mcp/<server>` for every registry server, and the gateway behind it."""
+def http_app(config: Config, redis_url: str, token: str | None) -> tuple[BearerAuth, Gateway]:
+    """The ASGI app serving `/mcp/<server>` for every registry server, and the gateway behind it.
+
+    A server with a `url` gets the pass-through (`gateway.passthrough`); one the gateway must spawn
+    (`command`) is fronted by the SDK server of `gateway.proxy`, as over stdio.
+    """
     settings = config.gateway
-    recorder = Recorder(connect_redis(redis_url), config.prefix, retry_for=settings.publish_retry_for)
+    recorder = Recorder(
+        connect_redis(redis_url, config.redis),
+        config.prefix,
+        retry_for=settings.publish_retry_for,
+        partitions=config.redis.partitions,
+    )
     gateway = Gateway(config, recorder)
     security = None
     if settings.host in LOOPBACK:
@@ -116,25 +144,43 @@ def http_app(config: Config, redis_url: str, token: str | None) -> tuple[Starlet
             allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
             allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"],
         )
+    http = Upstreams()
+    checks = TransportSecurityMiddleware(security) if security is not None else None
+    passed = {name: PassThrough(gateway, name, http, checks) for name, server in config.servers.items() if server.url}
     managers = {
         name: StreamableHTTPSessionManager(
             app=server, security_settings=security, session_idle_timeout=settings.idle_timeout
         )
         for name, server in gateway.endpoints.items()
+        if name not in passed
     }
-    routes = [Route(f"/mcp/{name}", endpoint=StreamableHTTPASGIApp(manager)) for name, manager in managers.items()]
+    routes = [Route(f"/mcp/{name}", endpoint=app) for name, app in passed.items()]  # for Starlette's redirects
+    routes += [Route(f"/mcp/{name}", endpoint=StreamableHTTPASGIApp(manager)) for name, manager in managers.items()]
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(running(gateway))
+            await stack.enter_async_context(http)
             for manager in managers.values():
                 await stack.enter_async_context(manager.run())
-            log.info("gateway serving", servers=",".join(managers), host=settings.host, port=settings.port)
+            log.info("gateway serving", servers=",".join(config.servers), host=settings.host, port=settings.port)
             yield
 
     app = Starlette(routes=routes, lifespan=lifespan)
-    return BearerAuth(app, token), gateway
+    return BearerAuth(_Direct({f"/mcp/{name}": endpoint for name, endpoint in passed.items()}, app), token), gateway
+
+
+class _Direct:
+    """Pass-through paths straight to their endpoint; the rest (lifespan, SDK endpoints, 404s) to Starlette,
+    whose routing and middleware stack cost a pass-through call about as much as its own parsing."""
+
+    def __init__(self, paths: dict[str, ASGIApp], app: ASGIApp) -> None:
+        self.paths, self.app = paths, app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.paths.get(scope["path"]) if scope["type"] == "http" else None
+        await (endpoint or self.app)(scope, receive, send)
 
 
 def serve_http(config: Config, redis_url: str, *, host: str | None = None, port: int | None = None) -> int:
@@ -152,6 +198,16 @@ def serve_http(config: Config, redis_url: str, *, host: str | None = None, port:
             port=port if port is not None else settings.port,
             log_level="warning",
             lifespan="on",
+            # Per-request work the gateway has no use for: it never reads the client's address, and
+            # logs what it records itself.
+            http="httptools",
+            # The pass-through's protocols are tested on asyncio's own loop; with uvloop installed
+            # (uvicorn[standard]) "auto" would pick it, and a call through it once hung there.
+            loop="asyncio",
+            proxy_headers=False,
+            access_log=False,
+            server_header=False,
+            date_header=False,
         )
     ).run()
     return 0
@@ -162,7 +218,12 @@ def serve_stdio(config: Config, redis_url: str, server: str) -> int:
     if server not in config.servers:
         raise ConfigError(f"server {server!r} is not in the config's [servers] (known: {', '.join(config.servers)})")
     only = config.model_copy(update={"servers": {server: config.servers[server]}})
-    recorder = Recorder(connect_redis(redis_url), config.prefix, retry_for=config.gateway.publish_retry_for)
+    recorder = Recorder(
+        connect_redis(redis_url, config.redis),
+        config.prefix,
+        retry_for=config.gateway.publish_retry_for,
+        partitions=config.redis.partitions,
+    )
     gateway = Gateway(only, recorder, stdio=True)
     endpoint = gateway.endpoints[server]
 

@@ -8,6 +8,7 @@ no identity at all and is refused: guessing would join unrelated calls into one 
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -22,11 +23,12 @@ class NoWorkflow(ValueError):
 
 
 def session_workflow(session_id: str) -> str:
-    """The workflow of an MCP session: derived from the session id when it fits the contract."""
+    """The workflow of an MCP session: the session id when it fits the contract, else a digest of it,
+    so that every request of one session lands in the same workflow without the gateway keeping a map."""
     try:
         return check_workflow_id(f"gw-{session_id}")
     except ValueError:
-        return new_session_workflow()
+        return f"gw-{hashlib.sha256(session_id.encode()).hexdigest()[:24]}"
 
 
 def new_session_workflow() -> str:

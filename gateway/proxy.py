@@ -1,5 +1,9 @@
 """One MCP server per registry server, forwarding to it and recording every successful tools/call.
 
+This is the path for stdio (`saga gateway --stdio`) and for upstreams the gateway spawns; HTTP
+upstreams go through `passthrough.py`, which shares the `Gateway`'s recording, listing and
+lifecycle methods (`record`, `tools_page`, `annotate`, `signal`).
+
 Built on the SDK's low-level `Server`, so the gateway speaks whatever protocol era its client
 speaks, while the upstream session negotiates its own. Requests are forwarded with their params
 as received (minus our `_meta` key) over one warm upstream session per registry server
@@ -140,12 +144,12 @@ class Gateway:
             log.debug("request", server=name, method=ctx.method)
             result = await call_next(ctx)
             if ctx.method == "tools/list" and isinstance(result, dict):
-                self._annotate(name, result)
+                self.annotate(name, result)
             return result
 
         return middleware
 
-    def _annotate(self, name: str, result: dict[str, Any]) -> None:
+    def annotate(self, name: str, result: dict[str, Any]) -> None:
         """Recovery in the SEP's place and in the `_meta` mirror: the overlay, else what the upstream declared."""
         for tool in result.get("tools") or ():
             if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
@@ -197,6 +201,10 @@ class Gateway:
             return await client.session.send_request(request, RAW)
 
         page = await self._upstream(name, ctx, run)
+        return self.tools_page(name, page, first_page=params is None or not getattr(params, "cursor", None))
+
+    def tools_page(self, name: str, page: dict[str, Any], *, first_page: bool) -> dict[str, Any]:
+        """Learn the upstream's declarations from a `tools/list` page, and add our tools to the first page."""
         tools = page.get("tools") if isinstance(page.get("tools"), list) else []
         for tool in tools:
             declaration = declaration_from_wire(tool) if isinstance(tool, dict) else None
@@ -205,13 +213,12 @@ class Gateway:
             self._schemas[name][declaration.name] = declaration.input_schema
             if declaration.recovery is not None:
                 self._declared[name][declaration.name] = declaration.recovery
-        first_page = params is None or not getattr(params, "cursor", None)
         if self.settings.tools and first_page:
             page = {**page, "tools": [*tools, *LIFECYCLE_TOOLS]}
         return page
 
     async def _call_tool(self, name: str, ctx: ServerRequestContext[Any, Any], params: Any) -> Any:
-        if self.settings.tools and params.name in (FAIL_TOOL, COMPLETE_TOOL):
+        if self.is_lifecycle(params.name):
             return await self._lifecycle(ctx, params)
         workflow = self._workflow(ctx)
         try:
@@ -228,10 +235,13 @@ class Gateway:
         result = await self._upstream(name, ctx, run)
         if result.get("isError") or result.get("resultType") not in (None, "complete"):
             return result  # not a completed step: a failure, or a round that asks for input first
-        step = await self._record(name, workflow, params.name, arguments, result)
-        return {**result, "_meta": {**(result.get("_meta") or {}), WORKFLOW_META_KEY: workflow, STEP_META_KEY: step}}
+        step = await self.record(name, workflow, params.name, arguments, result)
+        return stamped(result, workflow, step)
 
-    async def _record(
+    def is_lifecycle(self, tool: object) -> bool:
+        return self.settings.tools and tool in (FAIL_TOOL, COMPLETE_TOOL)
+
+    async def record(
         self, name: str, workflow: str, tool: str, arguments: dict[str, Any], result: dict[str, Any]
     ) -> str:
         """Queue the step-completed of a call that succeeded; a step that cannot be recorded poisons its workflow."""
@@ -266,21 +276,23 @@ class Gateway:
 
     async def _lifecycle(self, ctx: ServerRequestContext[Any, Any], params: Any) -> Any:
         workflow = self._workflow(ctx)
-        arguments = params.arguments or {}
-        try:
-            if params.name == FAIL_TOOL:
-                reason = clip(str(arguments.get("reason") or "the agent called saga_fail"))
-                await self.recorder.fail(workflow, reason)
-                text = f"workflow {workflow}: failure recorded; its completed steps will be compensated"
-            else:
-                await self.recorder.complete(workflow)
-                text = f"workflow {workflow}: completed"
-        except Exception as exc:
-            log.error("lifecycle signal not published", workflow=workflow, tool=params.name, error=repr(exc))
-            raise MCPError(code=types.INTERNAL_ERROR, message=f"could not record {params.name}: {exc}") from None
+        text = await self.signal(workflow, params.name, params.arguments or {})
         return types.CallToolResult(
             content=[types.TextContent(type="text", text=text)], meta={WORKFLOW_META_KEY: workflow}
         )
+
+    async def signal(self, workflow: str, tool: str, arguments: dict[str, Any]) -> str:
+        """Publish what a lifecycle tool says (`saga_fail` / `saga_complete`); the text tells the agent it did."""
+        try:
+            if tool == FAIL_TOOL:
+                reason = clip(str(arguments.get("reason") or "the agent called saga_fail"))
+                await self.recorder.fail(workflow, reason)
+                return f"workflow {workflow}: failure recorded; its completed steps will be compensated"
+            await self.recorder.complete(workflow)
+            return f"workflow {workflow}: completed"
+        except Exception as exc:
+            log.error("lifecycle signal not published", workflow=workflow, tool=tool, error=repr(exc))
+            raise MCPError(code=types.INTERNAL_ERROR, message=f"could not record {tool}: {exc}") from None
 
     def _workflow(self, ctx: ServerRequestContext[Any, Any]) -> str:
         request = ctx.request
@@ -319,6 +331,11 @@ class Gateway:
                     log.debug("notification not relayed", server=name, error=repr(exc))
 
         return relay
+
+
+def stamped(result: dict[str, Any], workflow: str, step: str) -> dict[str, Any]:
+    """The upstream's result, its `_meta` telling the client which workflow and step the call became."""
+    return {**result, "_meta": {**(result.get("_meta") or {}), WORKFLOW_META_KEY: workflow, STEP_META_KEY: step}}
 
 
 def _forwarded_params(params: Any) -> Any:

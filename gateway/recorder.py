@@ -43,8 +43,10 @@ class _Workflow:
 class Recorder:
     """The gateway's one writer: per-workflow order, retries, and the refusal rule."""
 
-    def __init__(self, redis: aioredis.Redis, prefix: str = "saga", *, retry_for: float = 10.0) -> None:
-        self.publisher = AsyncPublisher(redis, prefix)
+    def __init__(
+        self, redis: aioredis.Redis, prefix: str = "saga", *, retry_for: float = 10.0, partitions: int = 1
+    ) -> None:
+        self.publisher = AsyncPublisher(redis, prefix, partitions)
         self.retry_for = retry_for
         self.workflows: dict[str, _Workflow] = {}
         self._healthy = True
@@ -90,7 +92,7 @@ class Recorder:
         deadline, delay = time.monotonic() + self.retry_for, 0.05
         while True:
             try:
-                await self.publisher.redis.xadd(self.publisher.stream, fields)  # type: ignore[arg-type]
+                await self.publisher.redis.xadd(self.publisher.stream_for(workflow), fields)  # type: ignore[arg-type]
                 self._healthy = True
                 return
             except Exception as exc:

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import redis.asyncio as aioredis
 from mcp_saga.runtime import tracing
+from mcp_saga.runtime.connect import connect_async
 from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, clip, step_entry, workflow_failed
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
+from mcp_saga.schemas.config import RedisSettings
 from mcp_saga.schemas.events import (
     FailedStep,
     TraceContext,
@@ -153,8 +155,9 @@ class Workflow:
         # redis-py's from_url connects without retries (Redis() has them): without these, a Redis
         # restart of a few milliseconds fails every step written meanwhile. A repeated XADD is harmless.
         retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
-        connection = aioredis.Redis.from_url(self._url, retry=retry) if self._url is not None else self._redis
-        self.publisher = AsyncPublisher(connection, self._prefix)
+        settings = self.config.redis if self.config is not None else RedisSettings()
+        connection = connect_async(self._url, settings, retry=retry) if self._url is not None else self._redis
+        self.publisher = AsyncPublisher(connection, self._prefix, settings.partitions)
         self._span = tracing.workflow_span(self.id)
         self._state = "open"
         return self
@@ -305,7 +308,7 @@ class Workflow:
             if previous is not None:
                 await asyncio.wait([previous])
             try:
-                await publisher.redis.xadd(publisher.stream, fields)  # type: ignore[arg-type]
+                await publisher.redis.xadd(publisher.stream_for(self.id), fields)  # type: ignore[arg-type]
             except Exception as exc:
                 log.error("step %r of workflow %r was not recorded: %r", step, self.id, exc)
                 self._write_error = self._write_error or (step, exc)

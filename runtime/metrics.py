@@ -247,13 +247,16 @@ _CLAIM = resources.files(__package__).joinpath("lua", "claim.lua").read_text()
 class FleetCollector(Collector):
     """The gauges read from Redis, by one process of the fleet at a time (see the module's doc)."""
 
-    def __init__(self, redis: Redis, keys: Keys, interval: float, instance: str | None = None) -> None:
+    def __init__(
+        self, redis: Redis, keys: Keys, interval: float, instance: str | None = None, queue: Redis | None = None
+    ) -> None:
+        from mcp_saga.runtime.connect import Lua
         from mcp_saga.runtime.reader import Reader
 
         self.redis, self.keys, self.interval = redis, keys, interval
-        self.reader = Reader(redis, keys)
+        self.reader = Reader(redis, keys, queue)
         self.instance = instance or f"{socket.gethostname()}-{id(self):x}"
-        self._claim = redis.register_script(_CLAIM)
+        self._claim = Lua(redis, _CLAIM)
         self._lock = threading.Lock()
         self._next = 0.0
         self._families: list[GaugeMetricFamily] = []
@@ -298,17 +301,28 @@ class FleetCollector(Collector):
         oldest = GaugeMetricFamily(
             "saga_oldest_pending_age_seconds", "Age of the oldest unacknowledged event (0: none)", labels=["group"]
         )
+        # One series per group, summed over the partitions (the oldest entry: the oldest of any).
+        totals: dict[str, list[Any]] = {}
         for group in self.reader.groups():
             name = _text(group["name"])
-            pending.add_metric([name], group["pending"])
-            consumers.add_metric([name], group["consumers"])
+            total = totals.setdefault(name, [0, 0, 0, 0.0, False])
+            total[0] += group["pending"]
+            total[1] = max(total[1], group["consumers"])
             if group.get("lag") is not None:  # Redis < 7 does not know it
-                lag.add_metric([name], group["lag"])
-            first = self.redis.xpending(self.keys.events, name)["min"] if group["pending"] else None
+                total[2], total[4] = total[2] + group["lag"], True
+            first = self.redis.xpending(group["stream"], name)["min"] if group["pending"] else None
             age = max(0.0, time.time() - int(_text(first).partition("-")[0]) / 1000) if first else 0.0
+            total[3] = max(total[3], age)
+        for name, (n_pending, n_consumers, n_lag, age, has_lag) in totals.items():
+            pending.add_metric([name], n_pending)
+            consumers.add_metric([name], n_consumers)
+            if has_lag:
+                lag.add_metric([name], n_lag)
             oldest.add_metric([name], age)
         dead = GaugeMetricFamily(
-            "saga_dead_letter_stream_length", "Entries in saga:dead-letter", self.redis.xlen(self.keys.dead_letter)
+            "saga_dead_letter_stream_length",
+            "Entries in saga:dead-letter (every partition's)",
+            sum(self.redis.xlen(part.dead_letter) for part in self.keys.every()),
         )
         return [workflows, queue, lag, pending, consumers, oldest, dead]
 
@@ -363,6 +377,7 @@ def serve(
     port: int | None = None,
     redis: Redis | None = None,
     keys: Keys | None = None,
+    queue: Redis | None = None,
 ) -> MetricsServer | None:
     """Start the endpoint when a port is configured (or given); None when metrics are off.
 
@@ -375,7 +390,7 @@ def serve(
     BUILD.info({"version": _version(), "component": component})
     collector = None
     if redis is not None:
-        collector = FleetCollector(redis, keys or Keys(), settings.fleet_interval)
+        collector = FleetCollector(redis, keys or Keys(), settings.fleet_interval, queue=queue)
         REGISTRY.register(collector)
     app = _authenticated(make_wsgi_app(REGISTRY), settings.token())
     httpd = make_server(settings.address, port, app, ThreadingWSGIServer, handler_class=_SilentHandler)

@@ -111,6 +111,7 @@ def prepare(reader: Reader, workflow: str, command: str, step: str | None, by: s
 
 
 def send(redis: Redis, keys: Keys, prepared: Prepared) -> Sent:
+    keys = keys.route(prepared.workflow)  # the command joins its workflow's partition
     log_mark = _last_id(redis, keys.log(prepared.workflow))
     dead_mark = _last_id(redis, keys.dead_letter)
     entry_id = redis.xadd(keys.events, entry_fields(prepared.workflow, prepared.payload)).decode()
@@ -127,6 +128,7 @@ def await_applied(redis: Redis, keys: Keys, sent: Sent, timeout: float) -> Outco
     `CommandRefused` with the coordinator's reason.
     """
     payload, workflow = sent.prepared.payload, sent.prepared.workflow
+    keys = keys.route(workflow)
     log_mark, dead_mark = sent.log_mark, sent.dead_mark
     deadline = time.monotonic() + timeout
     while True:

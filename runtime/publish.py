@@ -237,9 +237,15 @@ def _encode(payload: Payload) -> bytes:
 
 
 class _Base:
-    def __init__(self, redis: Any, prefix: str = "saga") -> None:
+    """`partitions` must match the deployment's `[redis] partitions`: each event goes to the stream
+    of its workflow's partition (`Keys.partition_of`, CLUSTER KEYSLOT mod the count)."""
+
+    def __init__(self, redis: Any, prefix: str = "saga", partitions: int = 1) -> None:
         self.redis = redis
-        self.stream = Keys(prefix).events
+        self.keys = Keys(prefix, partitions)
+
+    def stream_for(self, workflow: str) -> str:
+        return self.keys.route(workflow).events
 
 
 class Publisher(_Base):
@@ -248,7 +254,7 @@ class Publisher(_Base):
     redis: redis.Redis
 
     def publish(self, workflow: str, payload: Payload) -> str:
-        entry_id = self.redis.xadd(self.stream, checked_entry(workflow, payload))  # type: ignore[arg-type]
+        entry_id = self.redis.xadd(self.stream_for(workflow), checked_entry(workflow, payload))  # type: ignore[arg-type]
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     def step_completed(
@@ -292,7 +298,7 @@ class AsyncPublisher(_Base):
     redis: redis.asyncio.Redis
 
     async def publish(self, workflow: str, payload: Payload) -> str:
-        entry_id = await self.redis.xadd(self.stream, checked_entry(workflow, payload))  # type: ignore[arg-type]
+        entry_id = await self.redis.xadd(self.stream_for(workflow), checked_entry(workflow, payload))  # type: ignore[arg-type]
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def step_completed(

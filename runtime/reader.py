@@ -12,7 +12,8 @@ import re
 from typing import Any
 
 import msgspec
-from mcp_saga.schemas.keys import STATUSES, Keys
+from mcp_saga.schemas.events import stream_id
+from mcp_saga.schemas.keys import STATUSES, Keys, key_slot
 from mcp_saga.schemas.records import Compensation, WorkflowState, comp_decoder, state_from_hash
 from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 from redis import Redis
@@ -45,6 +46,20 @@ class Consumer(msgspec.Struct, frozen=True):
     idle_ms: int
 
 
+class Partition(msgspec.Struct, frozen=True):
+    """One partition of the events: where its keys live and who reads it."""
+
+    partition: int
+    stream: str
+    slot: int
+    length: int
+    # None when no coordinator ever created the group on this partition's stream.
+    lag: int | None
+    pending: int
+    # The coordinators reading this partition (the group's consumers), pending entries each.
+    coordinators: list[Consumer]
+
+
 class RqWorker(msgspec.Struct, frozen=True):
     name: str
     state: str
@@ -68,6 +83,8 @@ class Fleet(msgspec.Struct, frozen=True):
     workers: list[RqWorker]
     # queued, started, scheduled, deferred, failed
     queue: dict[str, int]
+    # Per partition (one entry with a single partition): stream, slot, and who reads it.
+    partitions: list[Partition] = msgspec.field(default_factory=list)
 
 
 def decode_records(raw: dict[bytes, bytes]) -> dict[str, Compensation]:
@@ -89,9 +106,15 @@ def _json_or_text(raw: bytes) -> Any:
 
 
 class Reader:
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    """Reads one workflow's keys where they live, and gathers the partitioned ones across partitions.
+
+    `queue` is the RQ queue's Redis when it is not `redis` (`[redis] queue_url`, always with a cluster).
+    """
+
+    def __init__(self, redis: Redis, keys: Keys, queue: Redis | None = None) -> None:
         self.redis = redis
         self.keys = keys
+        self.queue = queue if queue is not None else redis
 
     def records(self, workflow: str) -> tuple[WorkflowState, dict[str, Compensation]] | None:
         """State and compensation records; None when the workflow is unknown or expired."""
@@ -136,11 +159,13 @@ class Reader:
         return [TimelineEntry.from_fields(f, i) for i, f in entries]
 
     def counts(self) -> dict[str, int]:
-        """Workflows per status, from the status indexes."""
+        """Workflows per status, from the status indexes of every partition."""
         pipe = self.redis.pipeline(transaction=False)
-        for status in STATUSES:
-            pipe.zcard(self.keys.index(status))
-        return dict(zip(STATUSES, pipe.execute(), strict=True))
+        for keys in self.keys.every():
+            for status in STATUSES:
+                pipe.zcard(keys.index(status))
+        found = pipe.execute()
+        return {s: sum(found[n :: len(STATUSES)]) for n, s in enumerate(STATUSES)}
 
     def recent(self, status: str | None = None, limit: int = 50, offset: int = 0) -> list[tuple[str, WorkflowState]]:
         """The newest workflows (in one status, or any), newest first, from `offset`; expired ones are left out.
@@ -149,8 +174,9 @@ class Reader:
         """
         statuses = [status] if status else list(STATUSES)
         pipe = self.redis.pipeline(transaction=False)
-        for s in statuses:
-            pipe.zrevrange(self.keys.index(s), 0, offset + limit - 1, withscores=True)
+        for keys in self.keys.every():
+            for s in statuses:
+                pipe.zrevrange(keys.index(s), 0, offset + limit - 1, withscores=True)
         newest = sorted(((score, wf.decode()) for page in pipe.execute() for wf, score in page), reverse=True)
         return self._states(list(dict.fromkeys(wf for _, wf in newest))[offset : offset + limit])
 
@@ -158,8 +184,8 @@ class Reader:
         """Workflows whose id starts with `prefix`, by ZSCAN over the status indexes (no KEYS, no full read)."""
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"
         found: dict[str, None] = {}
-        for status in STATUSES:
-            for member, _ in self.redis.zscan_iter(self.keys.index(status), match=pattern, count=500):
+        for key in (keys.index(status) for keys in self.keys.every() for status in STATUSES):
+            for member, _ in self.redis.zscan_iter(key, match=pattern, count=500):
                 found[member.decode()] = None
                 if len(found) >= limit:
                     break
@@ -188,7 +214,7 @@ class Reader:
         """Jobs of the RQ queue by state; counted without RQ's cleanup, so looking moves no job."""
         from rq import Queue
 
-        queue = Queue(self.keys.queue, connection=self.redis)
+        queue = Queue(self.keys.queue, connection=self.queue)
         return {"queued": queue.count} | {
             name: getattr(queue, f"{name}_job_registry").get_job_count(cleanup=False) for name in QUEUE_REGISTRIES
         }
@@ -198,16 +224,11 @@ class Reader:
 
         keys = self.keys
         pipe = self.redis.pipeline(transaction=False)
-        for stream in (keys.events, keys.outcomes, keys.dead_letter):
-            pipe.xlen(stream)
-        events, outcomes, dead = pipe.execute()
-        group = next((g for g in self.groups() if text_of(g["name"]) == keys.group), None)
-        consumers = []
-        if group is not None:
-            consumers = [
-                Consumer(text_of(c["name"]), c["pending"], c["idle"])
-                for c in self.redis.xinfo_consumers(keys.events, keys.group)
-            ]
+        for part in keys.every():
+            for stream in (part.events, part.outcomes, part.dead_letter):
+                pipe.xlen(stream)
+        lengths = pipe.execute()
+        parts = self.partitions(lengths[0::3])
         workers = [
             RqWorker(
                 name=w.name,
@@ -217,30 +238,75 @@ class Reader:
                 successful=w.successful_job_count,
                 failed=w.failed_job_count,
             )
-            for w in Worker.all(queue=Queue(keys.queue, connection=self.redis))
+            for w in Worker.all(queue=Queue(keys.queue, connection=self.queue))
         ]
+        consumers: dict[str, Consumer] = {}
+        for part in parts:  # a coordinator reading several partitions: one row, its pending entries summed
+            for c in part.coordinators:
+                seen = consumers.get(c.name)
+                consumers[c.name] = (
+                    c if seen is None else Consumer(c.name, seen.pending + c.pending, min(seen.idle_ms, c.idle_ms))
+                )
+        groups = [g for g in self.groups() if text_of(g["name"]) == keys.group]
+        lags = [p.lag for p in parts]
         return Fleet(
-            events=events,
-            outcomes=outcomes,
-            dead_letters=dead,
-            lag=group.get("lag") if group else None,
-            pending=group["pending"] if group else 0,
-            last_delivered=text_of(group["last-delivered-id"]) if group else None,
-            coordinators=consumers,
+            events=sum(lengths[0::3]),
+            outcomes=sum(lengths[1::3]),
+            dead_letters=sum(lengths[2::3]),
+            lag=None if not groups or None in lags else sum(lag or 0 for lag in lags),
+            pending=sum(p.pending for p in parts),
+            last_delivered=max((text_of(g["last-delivered-id"]) for g in groups), key=stream_id, default=None),
+            coordinators=list(consumers.values()),
             workers=workers,
             queue=self.queue_depth(),
+            partitions=parts,
         )
 
+    def partitions(self, lengths: list[int] | None = None) -> list[Partition]:
+        """Each partition's stream, its slot, its length and the coordinators reading it."""
+        parts = []
+        groups = self.groups()
+        for part in self.keys.every():
+            group = next((g for g in groups if g["partition"] == part.part and text_of(g["name"]) == part.group), None)
+            consumers = []
+            if group is not None:
+                consumers = [
+                    Consumer(text_of(c["name"]), c["pending"], c["idle"])
+                    for c in self.redis.xinfo_consumers(part.events, part.group)
+                ]
+            parts.append(
+                Partition(
+                    partition=part.part or 0,
+                    stream=part.events,
+                    slot=key_slot(part.events),
+                    length=lengths[part.part or 0] if lengths is not None else self.redis.xlen(part.events),
+                    lag=group.get("lag") if group else None,
+                    pending=group["pending"] if group else 0,
+                    coordinators=consumers,
+                )
+            )
+        return parts
+
     def groups(self) -> list[dict[str, Any]]:
-        """`XINFO GROUPS` of the events stream ([] before anything was published); `lag` is None on Redis < 7."""
-        try:
-            return self.redis.xinfo_groups(self.keys.events)
-        except ResponseError:
-            return []
+        """`XINFO GROUPS` of every partition's events stream, each group with its `partition` and `stream`
+        added ([] before anything was published); `lag` is None on Redis < 7."""
+        found = []
+        for part in self.keys.every():
+            try:
+                groups = self.redis.xinfo_groups(part.events)
+            except ResponseError:
+                continue
+            found += [{**g, "partition": part.part or 0, "stream": part.events} for g in groups]
+        return found
 
     def dead_letters(self, limit: int = 50) -> list[DeadLetter]:
-        """Newest first."""
-        return [DeadLetter.from_fields(i, f) for i, f in self.redis.xrevrange(self.keys.dead_letter, count=limit)]
+        """Newest first, across partitions."""
+        letters = [
+            DeadLetter.from_fields(i, f)
+            for part in self.keys.every()
+            for i, f in self.redis.xrevrange(part.dead_letter, count=limit)
+        ]
+        return sorted(letters, key=lambda d: stream_id(d.id), reverse=True)[:limit]
 
 
 def text_of(value: str | bytes) -> str:

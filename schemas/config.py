@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
+from mcp_saga.schemas.keys import MAX_PARTITIONS, Keys
 from mcp_saga.schemas.recovery import Recovery
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -205,8 +206,33 @@ class GatewaySettings(_Strict):
 
 
 class RedisSettings(_Strict):
+    """Where the data lives: one Redis, or a Redis Cluster for events and state plus a standalone queue.
+
+    `cluster = true` makes `REDIS_URL` (`--redis`) the address of any node of a Redis Cluster, which
+    holds events, workflow state and indexes; RQ cannot run there (its scripts span slots), so the
+    queue then lives on the standalone Redis at `queue_url`. `partitions` splits the streams and
+    indexes (see schemas/keys.py); every process and publisher of a deployment must agree on it.
+    """
+
     # Run even though the server's maxmemory-policy may delete keys (see runtime/redis_checks.py).
     allow_eviction: bool = False
+    cluster: bool = False
+    # The RQ queue's Redis (standalone); unset: the queue shares REDIS_URL (not allowed with `cluster`).
+    queue_url: str | None = None
+    partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
+
+    @model_validator(mode="after")
+    def _queue_off_cluster(self) -> RedisSettings:
+        if self.cluster and self.queue_url is None:
+            raise ValueError(
+                "cluster = true needs queue_url: RQ does not run on Redis Cluster,"
+                " so its queue lives on a standalone Redis"
+            )
+        if self.queue_url is not None and not self.queue_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"queue_url {self.queue_url!r} must be a redis://, rediss:// or unix:// URL")
+        return self
+
+
 class MetricsSettings(_Strict):
     """The Prometheus endpoint of each process (`/metrics`); off unless a port is given.
 
@@ -250,6 +276,7 @@ class Config(_Strict):
     def warnings(self) -> list[str]:
         """Settings that keep every guarantee but trade one off; logged at start-up."""
         return guarantee_problems(self)[1]
+
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
     @field_validator("servers")
@@ -278,6 +305,10 @@ class Config(_Strict):
                     (f"policy.self_inverse.{i}", f"{pattern!r} is not a server:tool pattern: it names nothing")
                 )
         return found
+
+    def keys(self) -> Keys:
+        """The key names of this deployment (prefix and partition count)."""
+        return Keys(self.prefix, self.redis.partitions)
 
     def overlay(self, server: str, tool: str) -> Recovery | None:
         """The operator's recovery declaration for a tool, if any."""

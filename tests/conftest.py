@@ -30,3 +30,13 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
     yield client
     client.flushdb()
     client.close()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[object]:
+    """A real Redis Cluster (3 primaries, 3 replicas) plus a standalone Redis for RQ, once per module
+    (tests/clusters.py: `ClusterSetup`; call `.flush()` between tests that need an empty one)."""
+    from clusters import cluster_setup
+
+    with cluster_setup() as setup:
+        yield setup

@@ -1,4 +1,4 @@
-"""An upstream with more than tools, for the gateway's forwarding test: a resource, a prompt, progress.
+"""An upstream with more than tools, for the gateway's forwarding tests: a resource, a prompt, progress, what it saw.
 
 python -m tests.gateway_upstream --http PORT [--host HOST]
 """
@@ -51,6 +51,14 @@ def whoami(ctx: Context) -> dict[str, str | None]:
     params = ctx.request_context.session.client_params
     info = params.client_info if params is not None else None
     return {"name": info.name if info else None, "version": info.version if info else None}
+
+
+@app.tool()
+def seen(ctx: Context) -> dict[str, object]:
+    """The HTTP headers and the request `_meta` this call reached the server with."""
+    request = ctx.request_context.request
+    headers = dict(request.headers) if request is not None else {}
+    return {"headers": headers, "meta": dict(ctx.request_context.meta or {})}
 
 
 @app.tool()

@@ -52,6 +52,8 @@ def test_compose_runs_only_commands_that_exist() -> None:
                 parse_args(command[2].split(".")[1], command[3:])
         elif command[0] == "redis-server":
             assert "--appendonly" in command and command[command.index("--appendonly") + 1] == "yes"
+        elif command[:2] == ["sh", "-c"]:  # the cluster profile's one-off `redis-cli --cluster create`
+            assert "redis-cli --cluster create" in command[2] and "--cluster-replicas 1" in command[2]
         else:
             raise AssertionError(f"unexpected command {command}")
         checked += 1
@@ -67,3 +69,7 @@ def test_compose_config_is_a_valid_saga_config() -> None:
     for name in config.servers:
         assert name in compose["services"], f"{name} in deploy/saga.toml has no compose service"
     assert "worker" in compose["services"] and "deploy" not in compose["services"]["worker"]  # scalable
+    cluster = load_config(ROOT / "deploy" / "saga-cluster.toml")  # the `cluster` profile's
+    assert cluster.redis.cluster and cluster.redis.partitions == 3 and cluster.servers == config.servers
+    profiled = {name for name, s in compose["services"].items() if "cluster" in s.get("profiles", [])}
+    assert {"coordinator-cluster", "worker-cluster", *(f"redis-node-{n}" for n in range(1, 7))} <= profiled

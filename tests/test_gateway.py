@@ -455,6 +455,53 @@ async def test_resources_prompts_and_progress_are_forwarded(tmp_path: Path, redi
             stop(gateway)
 
 
+def test_the_pass_through_sends_upstream_only_what_mcp_defines(tmp_path: Path, redis_url: str) -> None:
+    """The registry's credential goes upstream, never the client's token, cookies or our header and `_meta` key;
+    bodies the gateway cannot read, foreign Host headers and a silent upstream get clear errors."""
+    port = free_port()
+    with start_http_servers(("tests.gateway_upstream",)) as [(_, upstream)]:
+        servers = {
+            "extras": {"url": upstream, "headers_from_env": {"Authorization": "GWT_UPSTREAM_KEY"}},
+            "gone": {"url": f"http://127.0.0.1:{free_port()}/mcp", "timeout": 2},
+        }
+        settings = {"servers": servers, "gateway": {"port": port, "token_env": "GW_TOKEN"}}
+        config = write_config(parse_config({"prefix": "gwh", **settings}), tmp_path / "saga.toml")
+        env = {"GW_TOKEN": TOKEN, "GWT_UPSTREAM_KEY": "Bearer upstream-key"}
+        gateway = saga_process("gateway", redis_url=redis_url, config=config, env=env, log=tmp_path / "gateway.log")
+        try:
+            wait_until_accepting("127.0.0.1", port, gateway)
+            asyncio.run(_only_what_mcp_defines(f"http://127.0.0.1:{port}", upstream.split("/mcp")[0]))
+        finally:
+            stop(gateway)
+
+
+async def _only_what_mcp_defines(base: str, upstream: str) -> None:
+    headers = {"Saga-Workflow": "order-header", "Cookie": "session=secret"}
+    async with connect(f"{base}/mcp/extras", headers) as client:
+        result = await client.call_tool("seen", {}, meta={WORKFLOW_META_KEY: "order-seen", "note": "kept"})
+    seen = result.structured_content
+    assert seen is not None, result
+    assert seen["headers"]["authorization"] == "Bearer upstream-key"
+    assert not {"saga-workflow", "cookie"} & set(seen["headers"])
+    assert seen["headers"]["host"] == upstream.removeprefix("http://")
+    assert seen["meta"]["note"] == "kept" and WORKFLOW_META_KEY not in seen["meta"]
+    assert result.meta[WORKFLOW_META_KEY] == "order-seen"
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "seen", "arguments": {}}}
+    sent = {"Authorization": f"Bearer {TOKEN}", "Accept": "application/json, text/event-stream"}
+    async with httpx2.AsyncClient(headers=sent) as http:
+        garbled = await http.post(
+            f"{base}/mcp/extras", content=b"{not json", headers={"Content-Type": "application/json"}
+        )
+        assert garbled.status_code == 400 and garbled.json()["error"]["code"] == -32700
+        batch = await http.post(f"{base}/mcp/extras", json=[call])
+        assert batch.status_code == 400 and "batch" in batch.json()["error"]["message"]
+        foreign = await http.post(f"{base}/mcp/extras", json=call, headers={"Host": "evil.example"})
+        assert foreign.status_code in (400, 421)  # DNS rebinding protection on a loopback gateway
+        named = {**call, "params": {**call["params"], "_meta": {WORKFLOW_META_KEY: "order-gone"}}}
+        silent = await http.post(f"{base}/mcp/gone", json=named)
+        assert silent.status_code == 200 and "did not answer" in silent.json()["error"]["message"]
+
+
 async def _cancellation_reaches_the_upstream(url: str, marker: Path) -> None:
     async with Client(url) as client:
         call = asyncio.ensure_future(

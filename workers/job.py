@@ -113,6 +113,10 @@ def _current_context(rq_job: Job | None) -> WorkerContext:
         if rq_job is None:
             raise RuntimeError("mcp_saga.workers.job.compensate runs inside an RQ worker (or after set_context)")
         config = load_config()
+        if config.redis.cluster:
+            raise RuntimeError(
+                "with [redis] cluster = true, run `saga worker`: a plain `rq worker` knows only the queue's Redis"
+            )
         log.warning("no worker context: built one from SAGA_CONFIG; `saga worker` keeps sessions warm across jobs")
         set_context(rq_job.connection, config, session_pool(config), "rq")
     assert _context is not None
@@ -202,7 +206,7 @@ def _run_slip(ctx: WorkerContext, slip: list[tuple[CompensationJob, Lease]], go_
 def _lease(ctx: WorkerContext, job: CompensationJob, token: str | None = None) -> Lease:
     return Lease(
         ctx.redis,
-        Keys(job.prefix).lease(job.workflow, job.step),
+        Keys(job.prefix, ctx.config.redis.partitions).route(job.workflow).lease(job.workflow, job.step),
         ctx.name,
         ctx.config.worker.lease,
         workflow=job.workflow,
@@ -222,7 +226,7 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
     # is not silent, and the coordinator's short watchdog does not dispatch it again meanwhile.
     lease = _lease(ctx, job, rq_job.meta.get("lease_token"))
     parked = {"lease_token": lease.token} if lease.park(delay + ctx.config.worker.lease) else {}
-    continuation = Queue(rq_job.origin, connection=ctx.redis).enqueue_in(
+    continuation = Queue(rq_job.origin, connection=rq_job.connection).enqueue_in(
         timedelta(seconds=delay),
         rq_job.func_name,
         payload,
@@ -249,7 +253,8 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
 class _Attempt:
     def __init__(self, ctx: WorkerContext, job: CompensationJob, rq_job: Job | None, *, token: str | None = None):
         """`token`: a step of a routing slip (no RQ job of its own), under the lease parked for it."""
-        self.ctx, self.job, self.keys = ctx, job, Keys(job.prefix)
+        # Bound to the workflow's partition: the report goes to the stream its coordinators read.
+        self.ctx, self.job, self.keys = ctx, job, Keys(job.prefix, ctx.config.redis.partitions).route(job.workflow)
         self.in_slip = token is not None
         if self.in_slip:  # one attempt here; a retry is the coordinator's next dispatch
             self.attempt = job.attempts_used + 1

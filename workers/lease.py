@@ -19,6 +19,7 @@ import time
 import uuid
 from importlib import resources
 
+from mcp_saga.runtime.connect import evaluate
 from mcp_saga.runtime.logs import get_logger
 from redis import Redis
 from redis.client import Pipeline
@@ -77,7 +78,7 @@ class _Keeper:
         try:
             with redis.pipeline(transaction=False) as pipe:
                 for lease in due:
-                    pipe.eval(RENEW, 1, lease.key, lease.token, lease.ms)
+                    evaluate(pipe, RENEW, [lease.key], [lease.token, lease.ms])
                 kept = pipe.execute()
         except RedisError as exc:  # a Redis blip: each lease still has two thirds left, try again soon
             log.warning("lease renewal failed", leases=len(due), error=str(exc))
@@ -143,7 +144,7 @@ class Lease:
     def release(self, pipe: Pipeline) -> None:
         """Stop renewing and queue the release (a no-op when the lease is no longer ours)."""
         _keeper.remove(self)
-        pipe.eval(RELEASE, 1, self.key, self.token)  # EVALSHA would add a SCRIPT EXISTS trip
+        evaluate(pipe, RELEASE, [self.key], [self.token])  # EVALSHA would add a SCRIPT EXISTS trip
 
 
 def park_all(leases: list[Lease], seconds: float) -> list[bool]:
@@ -153,7 +154,7 @@ def park_all(leases: list[Lease], seconds: float) -> list[bool]:
     ms = max(1, int(seconds * 1000))
     with leases[0].redis.pipeline(transaction=False) as pipe:
         for lease in leases:
-            pipe.eval(RENEW, 1, lease.key, lease.token, ms)
+            evaluate(pipe, RENEW, [lease.key], [lease.token, ms])
             pipe.set(lease.key, lease.token, nx=True, px=ms)
         replies = pipe.execute()
     return [bool(replies[2 * n] or replies[2 * n + 1]) for n in range(len(leases))]

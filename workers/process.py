@@ -25,13 +25,12 @@ import logging
 import threading
 import time
 
+from mcp_saga.runtime.connect import check_layout, connect, connect_queue
 from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.runtime.metrics import CountingRetry
 from mcp_saga.runtime.redis_checks import check_redis
 from mcp_saga.schemas.config import Config
-from mcp_saga.schemas.keys import Keys
 from mcp_saga.workers.job import clear_context, session_pool, set_context
-from redis import Redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -99,16 +98,19 @@ def run_worker(
     # redis-py's from_url connects without retries: a Redis restart during a job then escaped RQ's
     # failure handling and ended the process. With these, a restart of a few seconds goes unnoticed.
     retry = CountingRetry("worker", ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
-    connection = Redis.from_url(redis_url, retry=retry)
+    # State and reports on `redis_url` (a cluster with `[redis] cluster`), jobs on the queue's Redis.
+    connection = connect(redis_url, config.redis, retry=retry)
+    jobs = connect_queue(redis_url, config.redis, retry=retry) if config.redis.queue_url else connection
     try:  # an evicting policy raises RedisSetupError (unless allowed); no persistence is a loud warning
-        check_redis(connection, allow_eviction=config.redis.allow_eviction, log=log)
+        for client in dict.fromkeys([connection, jobs]):
+            check_redis(client, allow_eviction=config.redis.allow_eviction, log=log)
+        check_layout(connection, config.keys())
     except (RedisConnectionError, RedisTimeoutError) as exc:
         log.warning("could not check the redis setup at start-up", error=str(exc))
-    queue = Queue(Keys(config.prefix).queue, connection=connection)
-    worker = SagaWorker([queue], connection=connection, name=name)
+    queue = Queue(config.keys().queue, connection=jobs)
+    worker = SagaWorker([queue], connection=jobs, name=name)
     slots = [
-        SlotWorker([queue], connection=connection, name=f"{worker.name}.{i}")
-        for i in range(1, config.worker.concurrency)
+        SlotWorker([queue], connection=jobs, name=f"{worker.name}.{i}") for i in range(1, config.worker.concurrency)
     ]
     threads = [
         threading.Thread(target=slot.work, kwargs={"burst": burst, "logging_level": logging_level}, daemon=True)
@@ -141,5 +143,6 @@ def run_worker(
             thread.join()
         pool.close()
         clear_context()
-        connection.close()
+        for client in dict.fromkeys([connection, jobs]):
+            client.close()
     return 0
