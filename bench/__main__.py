@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = [
             ("ingest and memory", lambda: coordinator.measure(url, int(500 * scale), 10, 3, 0)[0]),
             ("latency and unwind", lambda: latency.measure(url, max(100, int(1000 * scale)), max(5, int(20 * scale)))),
+            ("reference scenario", lambda: latency.reference(url, max(100, int(500 * scale)))),
             ("worker throughput", lambda: worker.rows(url, jobs=int(600 * scale), calls=int(1200 * scale))),
             ("publisher overhead", lambda: publisher.rows(url, rounds=max(5, int(20 * scale)))),
             ("ingest with an open console", lambda: console_cost.measure(url, int(1000 * scale), 10, 3)),

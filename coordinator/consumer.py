@@ -28,6 +28,7 @@ from mcp_saga.runtime.redis_checks import MAX_REFUSAL_BACKOFF, RateLimitedLog, c
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, StepStarted, decode_entry, stream_id
 from mcp_saga.schemas.keys import STATUSES
+from mcp_saga.schemas.records import Compensation, job_id_for
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -374,14 +375,15 @@ class Coordinator:
         if ensure:  # a redelivered batch: its first run may have committed but not enqueued
             known = {(j.workflow, j.step, j.dispatch) for j in jobs}
             for view in views:
-                for comp in view.comps.values():
-                    if comp.status == "queued" and (view.workflow, comp.step, comp.dispatch) not in known:
-                        jobs.append(self.machine.job_for(view.workflow, comp))
+                for job in self.machine.jobs_in_flight(view):
+                    if (job.workflow, job.step, job.dispatch) not in known:
+                        jobs.append(job)
         queued = 0
         for job in jobs:
             if enqueue(self.queue, job, self.config.worker):
                 queued += 1
-                metrics.dispatched(job)
+                for one in (job, *job.then):  # a routing slip's steps are dispatches too
+                    metrics.dispatched(one)
                 log.info(
                     "dispatched compensation",
                     workflow=job.workflow,
@@ -389,6 +391,7 @@ class Coordinator:
                     server=job.server,
                     operation=job.operation_id,
                     dispatch=job.dispatch,
+                    slip=",".join(m.step for m in job.then) or None,
                 )
         return queued
 
@@ -411,7 +414,7 @@ class Coordinator:
         if gone:
             self.redis.zrem(self.keys.deadlines, *gone)
         live = [v for v in views.values() if v.state.version]
-        leased = self.store.leased({v.workflow: self.machine.due_steps(v, now) for v in live})
+        leased = self._alive({v.workflow: v for v in live}, now)
         barriers = {v.workflow for v in live if self.machine.barrier_due(v, now)}
         held = self._pending_workflows() & barriers if barriers else set()
         for view in live:
@@ -427,6 +430,41 @@ class Coordinator:
         self.store.follow_up([index_item(v, self.machine.next_deadline(v), True) for v in committed], committed, [])
         self.store.settle(committed, [])
         return len(committed)
+
+    def _alive(self, views: dict[str, WorkflowView], now: float) -> dict[str, set[str]]:
+        """workflow -> its due compensations that are not silent, from facts outside its keys.
+
+        Alive: the lease exists (a call in flight), or the job waits in the queue for a free
+        worker. Otherwise the attempt either ended or its worker died. An attempt that ended wrote
+        its report with the release of its lease (one pipeline, report first), so while an entry of
+        the workflow is pending or entries are not yet delivered, that report may be among them:
+        not silent yet. That holds for a job RQ still shows as started too: a routing slip's job
+        runs on after each of its steps reported. Else it is a worker that died: silent.
+        """
+        due = {w: self.machine.due_steps(v, now) for w, v in views.items()}
+        signs = self.store.signs_of_life(
+            {w: [(s, _job_of(views[w].comps[s])) for s in steps] for w, steps in due.items()}
+        )
+        quiet = {w for w, found in signs.items() if any(not ok and st != "queued" for ok, st in found.values())}
+        unread: set[str] = set()
+        if quiet:
+            unread = quiet if self._undelivered() else self._pending_workflows() & quiet
+        return {
+            w: {s for s, (lease, st) in found.items() if lease or st == "queued" or w in unread}
+            for w, found in signs.items()
+        }
+
+    def _undelivered(self) -> bool:
+        """Whether `saga:events` holds entries the group has not delivered to any coordinator yet."""
+        try:
+            last = self.redis.xinfo_stream(self.keys.events)["last-generated-id"]
+            groups = self.redis.xinfo_groups(self.keys.events)
+        except ResponseError:
+            return False
+        mine = next((g for g in groups if g["name"] in (self.keys.group, self.keys.group.encode())), None)
+        if mine is None:
+            return True
+        return stream_id(_text(mine["last-delivered-id"])) < stream_id(_text(last))
 
     def _pending_workflows(self, limit: int = 10_000) -> set[str]:
         """Workflows with an entry delivered to some coordinator and not acknowledged yet."""
@@ -469,6 +507,15 @@ class Coordinator:
         if not floor:
             return 0
         return self.redis.xtrim(self.keys.events, minid=min(floor, key=stream_id), approximate=False)
+
+
+def _job_of(comp: Compensation) -> str:
+    """The RQ job that carries the compensation's current dispatch: its own, or its slip's."""
+    return comp.via or job_id_for(comp.idempotency_key or "", comp.dispatch)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _next_id(entry_id: str) -> str:

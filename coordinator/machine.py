@@ -45,6 +45,7 @@ from mcp_saga.schemas.records import (
     Compensation,
     CompensationJob,
     WorkflowState,
+    job_id_for,
 )
 from mcp_saga.schemas.results import result_text
 from mcp_saga.schemas.timeline import Outcome, TimelineEntry
@@ -178,9 +179,11 @@ class Machine:
     ) -> None:
         """The watchdog's look at a workflow: an expired barrier, a compensation gone silent.
 
-        `leased` names the steps whose lease key exists (a worker holds it while a call is in
-        flight). A compensation is silent when, for `watchdog_after` seconds, no report of its
-        current dispatch arrived and its lease does not exist; only a silent one is dispatched again.
+        `leased` names the steps that showed a sign of life the machine cannot see in the records:
+        their lease key exists (a worker holds it while a call is in flight) or their job still
+        waits in the queue for a free worker. A compensation is silent when, for `watchdog_after`
+        seconds, no report of its current dispatch arrived (nor was a retry of it due) and it shows
+        no such sign; only a silent one is dispatched again.
         `hold_barrier`: an entry of this workflow is still pending in the consumer group, so an
         announced step may be on its way; the barrier does not expire yet.
         """
@@ -208,11 +211,17 @@ class Machine:
                 view.note("compensation-failed", now, comp.step, error=comp.last_error, dispatch=comp.dispatch)
                 self._outcome(view, "compensation-failed", now, comp.step, "failed", comp.last_error)
                 continue
+            if comp.via:  # behind a slip whose worker went silent: `advance` decides it again, in order
+                comp.status, comp.via = "pending", ""
+                view.put(comp, now)
+                view.note("watchdog-redispatch", now, comp.step, detail="its routing slip went silent; taken back")
+                continue
+            self._revoke(view, comp, now)
             view.note(
                 "watchdog-redispatch",
                 now,
                 comp.step,
-                detail=f"no report and no lease for {now - max(comp.queued_at, comp.heard_at):.0f}s "
+                detail=f"no report and no lease for {now - max(comp.queued_at, comp.heard_at, comp.retry_at):.0f}s "
                 f"in dispatch {comp.dispatch} ({comp.spent} of {self.attempts} attempts used)",
                 key=comp.idempotency_key,
             )
@@ -241,7 +250,7 @@ class Machine:
 
     def silent_until(self, comp: Compensation) -> float:
         """When an in-flight compensation counts as silent unless its lease is alive."""
-        return max(comp.queued_at, comp.heard_at) + self.settings.watchdog_after
+        return max(comp.queued_at, comp.heard_at, comp.retry_at) + self.settings.watchdog_after
 
     def due_steps(self, view: WorkflowView, now: float) -> list[str]:
         """Steps whose silence the watchdog must confirm (their lease checked) before `tick`."""
@@ -276,6 +285,11 @@ class Machine:
         view.new_steps.append(event.raw)
         state.steps += 1
         view.log += entries
+        if late:  # it goes first: what a routing slip still carries waits behind it
+            for other in view.comps.values():
+                if other.status == "queued" and other.via:
+                    other.status, other.via = "pending", ""
+                    view.put(other, now)
         if late and state.status in ("compensated", "needs-attention"):
             state.status = "compensating"
         if state.status == "failed" and completions(view) >= state.expected_steps:
@@ -525,6 +539,7 @@ class Machine:
         # Failures and refusals only count for the current dispatch, once per attempt.
         if data.dispatch != comp.dispatch or data.attempt <= comp.attempt:
             return
+        self._revoke(view, comp, now)  # the slip's worker stopped here: what it carried is decided anew
         comp.attempt = data.attempt
         comp.attempts += 1
         comp.spent += 1
@@ -539,8 +554,12 @@ class Machine:
             if data.final:
                 comp.status = "failed"
                 self._outcome(view, "compensation-failed", now, comp.step, "failed", data.error)
+            elif comp.via:  # no RQ retry behind a step of a slip: `advance` dispatches it again
+                comp.status, comp.via = "pending", ""
             else:
                 comp.status = "running"
+                # RQ parks the next attempt for its backoff: no report and no lease until then.
+                comp.retry_at = now + self.config.worker.retry_wait(comp.spent - 1)
             view.note(
                 "compensation-failed" if data.final else "compensation-attempt-failed",
                 now,
@@ -645,11 +664,11 @@ class Machine:
                 if comp.status == "pending":
                     self._dispatch(view, comp, now)
         elif not any(c.status in IN_FLIGHT for c in lifo):  # one in flight; a late step waits its turn too
-            for comp in lifo:
+            for n, comp in enumerate(lifo):
                 if comp.status in SETTLED:
                     continue
                 if comp.status == "pending":
-                    self._dispatch(view, comp, now)
+                    self._dispatch(view, comp, now, self._slip(comp, lifo[n + 1 :]))
                     break
                 if state.on_failure == "halt":  # failed or awaiting approval blocks what lies below
                     break
@@ -670,15 +689,52 @@ class Machine:
         else:
             state.status = "compensated"
 
-    def _dispatch(self, view: WorkflowView, comp: Compensation, now: float) -> None:
+    def _slip(self, head: Compensation, below: list[Compensation]) -> list[Compensation]:
+        """The compensations one worker may run after `head` in the same job, in LIFO order.
+
+        Only while each is auto-approved and ready (its plan complete, nothing to decide): the
+        first one that is not ends the slip, as does one that halted (failed, awaiting approval).
+        Steps that need nothing (settled) are passed over, as `advance` passes over them.
+        """
+        if not self.settings.slip or not self._slippable(head):
+            return []
+        slip: list[Compensation] = []
+        for comp in below:
+            if len(slip) >= self.settings.slip:
+                break
+            if comp.status in SETTLED:
+                continue
+            if comp.status != "pending" or not self._slippable(comp):
+                break
+            slip.append(comp)
+        return slip
+
+    def _slippable(self, comp: Compensation) -> bool:
+        # A recall's result is the coordinator's to plan from (issue 14): it never rides in a slip.
+        if comp.kind != "compensation":
+            return False
+        if not (comp.operation_id and comp.idempotency_key and comp.arguments is not None):
+            return False
+        return comp.approved or self.config.policy.decide(comp.server, comp.operation_id) == "auto"
+
+    def _dispatch(
+        self, view: WorkflowView, comp: Compensation, now: float, slip: list[Compensation] | None = None
+    ) -> None:
+        """Queue the next dispatch of `comp`, carrying `slip` behind it in the same job."""
+        head = self._queue(view, comp, now, "")
+        members = [self._queue(view, m, now, head.job_id, comp.step) for m in slip or ()]
+        view.jobs.append(msgspec.structs.replace(head, then=tuple(members)) if members else head)
+
+    def _queue(self, view: WorkflowView, comp: Compensation, now: float, via: str, head: str = "") -> CompensationJob:
         assert comp.operation_id and comp.idempotency_key and comp.arguments is not None
         comp.status = "queued"
         comp.dispatch += 1
         comp.attempt = 0
         comp.queued_at = now
         comp.heard_at = 0.0
+        comp.retry_at = 0.0
+        comp.via = via
         view.put(comp, now)
-        view.jobs.append(self.job_for(view.workflow, comp))
         view.note(
             "recall-dispatched" if comp.kind == "recall" else "compensation-dispatched",
             now,
@@ -688,7 +744,32 @@ class Machine:
             key=comp.idempotency_key,
             dispatch=comp.dispatch,
             late="yes" if comp.late else None,
+            detail=f"in the routing slip of step {head}" if head else None,
         )
+        return self.job_for(view.workflow, comp)
+
+    def jobs_in_flight(self, view: WorkflowView) -> list[CompensationJob]:
+        """The jobs the queued records call for, slips rebuilt: what a redelivered batch re-ensures."""
+        queued = sorted((c for c in view.comps.values() if c.status == "queued"), key=completion_order, reverse=True)
+        jobs = []
+        for comp in queued:
+            if comp.via:
+                continue
+            job = self.job_for(view.workflow, comp)
+            members = tuple(self.job_for(view.workflow, m) for m in queued if m.via == job.job_id)
+            jobs.append(msgspec.structs.replace(job, then=members) if members else job)
+        return jobs
+
+    def _revoke(self, view: WorkflowView, comp: Compensation, now: float) -> None:
+        """Take back the compensations queued behind `comp` in its slip: `advance` decides them anew.
+
+        The worker running the slip stops at the first record that is no longer queued under it.
+        """
+        slip = comp.via or (job_id_for(comp.idempotency_key, comp.dispatch) if comp.idempotency_key else "")
+        for other in view.comps.values():
+            if other is not comp and other.status == "queued" and other.via and other.via == slip:
+                other.status, other.via = "pending", ""
+                view.put(other, now)
 
     def job_for(self, workflow: str, comp: Compensation) -> CompensationJob:
         assert comp.operation_id and comp.idempotency_key and comp.arguments is not None

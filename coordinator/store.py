@@ -25,6 +25,7 @@ from mcp_saga.schemas.records import Compensation, comp_decoder, comp_encoder, s
 from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 from redis import Redis
 from redis.client import Pipeline
+from rq.job import Job
 
 LOG_MAXLEN = 10_000
 DeadEntry = tuple[bytes, dict[bytes, bytes], str]  # id, original fields, reason
@@ -230,16 +231,22 @@ class Store:
     def due(self, now: float, limit: int = 100) -> list[str]:
         return [w.decode() for w in self.redis.zrangebyscore(self.keys.deadlines, "-inf", now, start=0, num=limit)]
 
-    def leased(self, wanted: dict[str, list[str]]) -> dict[str, set[str]]:
-        """workflow -> the steps among `wanted` whose worker lease key exists (a call in flight)."""
+    def signs_of_life(self, wanted: dict[str, list[tuple[str, str]]]) -> dict[str, dict[str, tuple[bool, str]]]:
+        """workflow -> step -> (lease key exists, RQ status of the dispatch's job or '' if gone).
+
+        `wanted`: workflow -> (step, job id of its current dispatch), for the steps the watchdog
+        found due. One round trip for all of them.
+        """
         pipe = self.redis.pipeline(transaction=False)
-        pairs = [(w, s) for w, steps in wanted.items() for s in steps]
-        for workflow, step in pairs:
+        rows = [(w, s, j) for w, steps in wanted.items() for s, j in steps]
+        for workflow, step, job_id in rows:
             pipe.exists(self.keys.lease(workflow, step))
-        found: dict[str, set[str]] = {w: set() for w in wanted}
-        for (workflow, step), alive in zip(pairs, pipe.execute() if pairs else [], strict=True):
-            if alive:
-                found[workflow].add(step)
+            pipe.hget(Job.key_for(job_id), "status")
+        replies = iter(pipe.execute() if rows else [])
+        found: dict[str, dict[str, tuple[bool, str]]] = {w: {} for w in wanted}
+        for workflow, step, _ in rows:
+            alive, status = next(replies), next(replies)
+            found[workflow][step] = (bool(alive), status.decode() if status else "")
         return found
 
     def collect_garbage(self, now: float | None = None, page: int = 1000, budget: int = 20) -> int:

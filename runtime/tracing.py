@@ -359,7 +359,8 @@ def transitions(views: Iterable[Any], traces: Mapping[str, dict[str, str]], star
 def _with_trace(job: CompensationJob, carrier: dict[str, str]) -> CompensationJob:
     import msgspec
 
-    return msgspec.structs.replace(job, trace=carrier)
+    then = tuple(msgspec.structs.replace(m, trace=carrier) for m in job.then)  # a routing slip's steps too
+    return msgspec.structs.replace(job, trace=carrier, then=then)
 
 
 # The worker -----------------------------------------------------------------------------------

@@ -111,14 +111,18 @@ class CoordinatorSettings(_Strict):
     block_ms: int = Field(default=1000, ge=1, le=4000)
     # A silent coordinator's pending entries are claimed after this; claims run every half of it.
     claim_idle_ms: int = Field(default=20_000, ge=100)
-    # Seconds a dispatched compensation may stay silent (no attempt report of its current dispatch,
-    # no worker lease alive) before it is dispatched again.
-    watchdog_after: float = Field(default=120.0, gt=0)
+    # Seconds a dispatched compensation may stay silent before it is dispatched again: no attempt
+    # report of its current dispatch (a retry's backoff counts as heard), no worker lease alive and
+    # its job not waiting in the queue. Short, because a live call always shows its lease.
+    watchdog_after: float = Field(default=5.0, gt=0)
     watchdog_every: float = Field(default=1.0, gt=0)
     # Longer than a claim takes (claim_idle_ms and half of it again), so that a step held by a
     # coordinator that died is claimed before the barrier gives up on it (see `guarantee_problems`).
     barrier_grace: float = Field(default=60.0, ge=0, description="seconds to wait for missing steps")
     parallel: bool = False
+    # Routing slip: a one-at-a-time unwind hands one job up to this many of the next compensations
+    # (auto-approved, ready to run) behind the first, run by one worker in LIFO order (0: off).
+    slip: int = Field(default=50, ge=0, le=1000)
     on_failure: Literal["halt", "continue"] = "halt"
     retention_completed: int = Field(default=86_400, ge=1)
     retention_compensated: int = Field(default=7 * 86_400, ge=1)
@@ -138,13 +142,23 @@ class WorkerSettings(_Strict):
     backoff_base: float = Field(default=1.0, ge=0)
     backoff_max: float = Field(default=60.0, ge=0)
     jitter: float = Field(default=0.5, ge=0, le=1)
-    # Seconds a lease outlives a worker that stopped renewing it (it is renewed every third of this).
-    lease: float = Field(default=60.0, gt=0)
+    # Seconds a lease outlives a worker that stopped renewing it (it is renewed every third of this):
+    # with `watchdog_after`, how soon the compensation of a worker that died is dispatched again.
+    lease: float = Field(default=6.0, gt=0)
     # Slots of one process that may wait on one server (0: all but one, so a hung server never
     # takes the last slot); a job over the limit is deferred, not run (see workers/job.py).
     per_server: int = Field(default=0, ge=0, le=64)
     tools_ttl: float = Field(default=30.0, ge=0, description="seconds a server's tools/list is cached")
     job_timeout: int = Field(default=300, ge=1)
+
+    def retry_wait(self, retry: int) -> float:
+        """The longest RQ may park retry number `retry` (0-based, over the compensation's budget).
+
+        The same formula `backoff_intervals` draws from, at its jitter's top, plus the rounding to
+        whole seconds and one scheduler poll: the coordinator counts silence only after this.
+        """
+        base = min(self.backoff_max, self.backoff_base * 2 ** max(0, retry))
+        return base * (1 + self.jitter) + 1.5
 
     @property
     def slots_per_server(self) -> int:
@@ -377,12 +391,19 @@ def guarantee_problems(config: Config) -> tuple[list[str], list[str]]:
             f"claim interval ({claim:g} s): a step held by a coordinator that died would be claimed after "
             "the barrier expired, and undone out of LIFO order"
         )
-    gap = w.backoff_max * (1 + w.jitter)
-    if c.watchdog_after <= gap:
-        refusals.append(
-            f"coordinator.watchdog_after ({c.watchdog_after:g} s) must be longer than the longest wait between "
-            f"two attempts (worker.backoff_max x (1 + jitter) = {gap:g} s): while a retry waits no report "
-            "comes and no lease is held, so the watchdog would dispatch again a compensation that is merely waiting"
+    # A retry's backoff is not silence (the coordinator counts from the end of the longest wait RQ
+    # may park it, `WorkerSettings.retry_wait`), so watchdog_after need not outlast backoff_max. What
+    # it must outlast is a live worker's gap between taking a job from the queue and its lease.
+    if c.watchdog_after < c.watchdog_every:
+        warnings.append(
+            f"coordinator.watchdog_after ({c.watchdog_after:g} s) is shorter than watchdog_every "
+            f"({c.watchdog_every:g} s): silence is only looked for every watchdog_every seconds"
+        )
+    if w.lease < 1.5:
+        warnings.append(
+            f"worker.lease ({w.lease:g} s) is short: a worker stalled for two thirds of it (CPU starvation, "
+            "a Redis blip during a renewal) loses its lease, and the watchdog may dispatch its compensation "
+            "again while the call is still in flight (the idempotency key keeps the effect once)"
         )
     if c.in_doubt_after >= c.idle_ttl:
         warnings.append(

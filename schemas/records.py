@@ -124,6 +124,12 @@ class Compensation(Struct, rename="camel", omit_defaults=False):
     # settled, and the recovery declaration its intent carried (a recall's result is planned with it).
     if_in_doubt: CompStatus | None = None
     recovery: dict[str, Any] | None = None
+    # When the retry RQ scheduled after the current dispatch's last failed attempt is due at the
+    # latest (0: none waits): silence counts from here, so a retry's backoff is never silence.
+    retry_at: float = 0.0
+    # The RQ job id of the routing slip that carries this dispatch behind the slip's first step
+    # ('' when the dispatch is a job of its own): the watchdog reads that job's status.
+    via: str = ""
 
 
 class CompensationJob(Struct, rename="camel", frozen=True):
@@ -150,11 +156,19 @@ class CompensationJob(Struct, rename="camel", frozen=True):
     # `recall`: `operation_id` is the step's own tool, `arguments` its original arguments and
     # `idempotency_key` its forward key; the worker reports recall-succeeded / recall-failed.
     kind: JobKind = "compensation"
+    # The routing slip: compensations to run after this one, in this order, once it succeeded and
+    # while each next one's record still says it is queued under this slip (see workers/job.py).
+    then: tuple[CompensationJob, ...] = ()
 
     @property
     def job_id(self) -> str:
         """RQ job id: one per (compensation, dispatch), so a re-dispatch is a new job, a redelivery is not."""
-        return f"saga-{_digest(self.idempotency_key)}-{self.dispatch}"
+        return job_id_for(self.idempotency_key, self.dispatch)
+
+
+def job_id_for(key: str, dispatch: int) -> str:
+    """The RQ job id of one dispatch of the compensation with idempotency key `key`."""
+    return f"saga-{_digest(key)}-{dispatch}"
 
 
 def idempotency_key(workflow: str, step: str, operation_id: str) -> str:

@@ -71,16 +71,18 @@ def test_records_steps_and_dispatches_lifo(r: redis.Redis, coord: Coordinator) -
     assert [msgspec.json.decode(s)["step"] for s in r.lrange(K.steps("order-1"), 0, -1)] == ["a", "b", "c"]
     (job,) = queued_jobs(r)
     assert (job.step, job.operation_id, job.arguments) == ("c", "undo", {"id": "id-c"})
+    # One job: the rest of the LIFO plan rides behind "c" as its routing slip, in order.
+    assert [(m.step, m.arguments) for m in job.then] == [("b", {"id": "id-b"}), ("a", {"id": "id-a"})]
     assert r.zscore(K.index("compensating"), "order-1") is not None
     assert r.xpending(K.events, K.group)["pending"] == 0  # everything acknowledged
 
-    for name in ("c", "b", "a"):
+    for name in ("c", "b", "a"):  # the slip's worker reports each step as it goes
         comp = comp_decoder.decode(r.hget(K.comp("order-1"), name))
-        assert comp.status == "queued"
+        assert comp.status == "queued" and comp.via == ("" if name == "c" else job.job_id)
         publish(r, "order-1", CompensationSucceeded(step=name, dispatch=comp.dispatch))
         drain(coord)
     assert state_from_hash(r.hgetall(K.state("order-1"))).status == "compensated"
-    assert [j.step for j in queued_jobs(r)] == ["c", "b", "a"]
+    assert [j.step for j in queued_jobs(r)] == ["c"]  # no job of their own for the slip's steps
     assert r.zscore(K.index("compensated"), "order-1") is not None
     assert r.zscore(K.index("compensating"), "order-1") is None
     outcomes = [f[b"type"] for _, f in r.xrange(K.outcomes)]

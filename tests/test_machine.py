@@ -60,12 +60,20 @@ def new_view(workflow: str = "order-1") -> WorkflowView:
 
 
 def settle(machine: Machine, view: WorkflowView, now: float = 101.0) -> list[str]:
-    """Let a perfect worker succeed every job, in the order the machine dispatches them."""
+    """Let a perfect worker succeed every job, in the order the machine dispatches them.
+
+    A job's routing slip runs after it, step after step, while each step's record is still queued
+    under that dispatch (as `workers/job.py` checks).
+    """
     order = []
     while view.jobs:
         job = view.jobs.pop(0)
-        order.append(job.step)
-        fold(machine, view, CompensationSucceeded(step=job.step, dispatch=job.dispatch), now=now)
+        for one in (job, *job.then):
+            comp = view.comps[one.step]
+            if one is not job and (comp.status != "queued" or comp.dispatch != one.dispatch):
+                break
+            order.append(one.step)
+            fold(machine, view, CompensationSucceeded(step=one.step, dispatch=one.dispatch), now=now)
     return order
 
 
@@ -283,14 +291,17 @@ def test_watchdog_spares_a_leased_or_reporting_compensation_and_keeps_its_budget
     machine.tick(view, 110.0, leased={"a"})  # a call in flight holds the lease: not silent
     assert view.jobs == [] and machine.next_deadline(view) == 120.0
     failed = CompensationFailed(step="a", dispatch=1, attempt=1, final=False, retryable=True, error="timeout")
-    fold(machine, view, failed, now=115.0)  # an attempt report pushes the deadline
-    machine.tick(view, 120.0)
-    assert view.jobs == [] and machine.next_deadline(view) == 125.0
-    machine.tick(view, 125.0)  # silent now: dispatched again, with the attempt already used
+    fold(machine, view, failed, now=115.0)  # an attempt report pushes the deadline past RQ's backoff
+    wait = machine.config.worker.retry_wait(0)  # the longest RQ may park the first retry
+    assert view.comps["a"].retry_at == 115.0 + wait
+    machine.tick(view, 125.0)
+    assert view.jobs == [] and machine.next_deadline(view) == 125.0 + wait
+    machine.tick(view, 125.0 + wait)  # silent now: dispatched again, with the attempt already used
     (second,) = view.jobs
     assert (second.dispatch, second.attempts_used) == (2, 1)
     # The superseded dispatch's late attempt report changes nothing.
-    fold(machine, view, CompensationFailed(step="a", dispatch=1, attempt=2, final=True, error="late"), now=126.0)
+    assert view.comps["a"].retry_at == 0.0
+    fold(machine, view, CompensationFailed(step="a", dispatch=1, attempt=2, final=True, error="late"), now=130.0)
     assert view.comps["a"].status == "queued" and view.comps["a"].spent == 1
 
 
@@ -316,3 +327,39 @@ def test_barrier_grace_zero_announces_needs_attention_once() -> None:
     assert view.state.status == "needs-attention"
     assert [o.type for o in view.outcomes] == ["workflow-needs-attention"]
     assert [e.type for e in view.log].count("status") == 1
+
+
+def test_a_routing_slip_carries_the_rest_and_a_failure_takes_it_back(machine: Machine) -> None:
+    """One job for the whole unwind; a step that fails in it hands the rest back to the coordinator."""
+    view = fold(machine, new_view(), step("a"), step("b"), step("c"), WorkflowFailed(), now=100.0)
+    (job,) = view.jobs
+    assert (job.step, [m.step for m in job.then]) == ("c", ["b", "a"])
+    assert {s: (c.status, c.via) for s, c in view.comps.items()} == {
+        "c": ("queued", ""),
+        "b": ("queued", job.job_id),
+        "a": ("queued", job.job_id),
+    }
+    assert machine.jobs_in_flight(view) == [job]  # what a redelivered batch re-ensures: the same slip
+    view.jobs.clear()
+    fold(machine, view, CompensationSucceeded(step="c", dispatch=1), now=101.0)
+    assert view.jobs == []  # the rest is on its way in the slip
+    b = view.comps["b"]
+    failed = CompensationFailed(step="b", dispatch=b.dispatch, attempt=1, final=False, retryable=True, error="x")
+    fold(machine, view, failed)
+    # b's retry is the coordinator's (no RQ retry behind a slip's step): dispatched again at once,
+    # with a taken back and riding behind it in a new slip.
+    (again,) = view.jobs
+    assert (again.step, again.dispatch, again.attempts_used, [m.step for m in again.then]) == ("b", 2, 1, ["a"])
+    assert view.comps["a"].via == again.job_id and view.comps["a"].dispatch == 2
+
+
+def test_a_silent_slip_is_taken_back_and_dispatched_again_in_order(machine: Machine) -> None:
+    view = fold(machine, new_view(), step("a"), step("b"), WorkflowFailed(), now=100.0)
+    assert [(j.step, [m.step for m in j.then]) for j in view.jobs] == [("b", ["a"])]
+    view.jobs.clear()
+    machine.tick(view, 200.0)  # the worker died holding the slip: nothing alive, nothing reported
+    (again,) = view.jobs
+    assert (again.step, again.dispatch, again.then) == ("b", 2, ())  # the head again, on its own
+    assert (view.comps["a"].status, view.comps["a"].via) == ("pending", "")  # taken back, not re-dispatched
+    fold(machine, view, CompensationSucceeded(step="b", dispatch=2), now=201.0)
+    assert [j.step for j in view.jobs] == ["b", "a"]  # then a, in LIFO order

@@ -83,6 +83,10 @@ class Protocol(RuleBasedStateMachine):
         self.hands: dict[str, WorkflowView | None] = {"A": None, "B": None}
         self.outbound: dict[str, list[tuple[list[IndexItem], list[WorkflowView]]]] = {"A": [], "B": []}
         self.jobs: list[CompensationJob] = []
+        # A routing slip's step -> the one before it in its slip: a worker reports it only after
+        # that one succeeded, and only while its record is still queued under that dispatch.
+        self.after: dict[tuple[str, int], tuple[str, int]] = {}
+        self.ok: set[tuple[str, int]] = set()
         self.reports: dict[str, set[tuple[int, int]]] = {}
         self.succeeded: list[tuple[str, str]] = []  # (event id, step) of non-late steps, in success order
         self.plan_changed = False
@@ -139,6 +143,14 @@ class Protocol(RuleBasedStateMachine):
     )
     def report(self, pick: int, kind: str, attempt: int) -> None:
         job = self.jobs[pick % len(self.jobs)]  # any dispatch ever made, stale ones too
+        if (job.step, job.dispatch) in self.after:
+            record = self.reader.records(WF)[1].get(job.step)
+            if self.after[(job.step, job.dispatch)] not in self.ok or record is None:
+                return
+            if (record.status, record.dispatch) != ("queued", job.dispatch):
+                return
+        if kind == "ok":
+            self.ok.add((job.step, job.dispatch))
         common = {"step": job.step, "dispatch": job.dispatch, "attempt": attempt}
         self.reports.setdefault(job.step, set()).add((job.dispatch, attempt))
         if job.kind == "recall":
@@ -226,7 +238,13 @@ class Protocol(RuleBasedStateMachine):
         before = self.reader.records(WF)
         if view.dirty and not self.store.commit([view])[0]:
             return  # lost the race: the entries would be redelivered, and may be folded again
-        self.jobs += view.jobs
+        for job in view.jobs:
+            self.jobs.append(job)
+            prev = job
+            for member in job.then:
+                self.after[(member.step, member.dispatch)] = (prev.step, prev.dispatch)
+                self.jobs.append(member)
+                prev = member
         old = before[1] if before else {}
         for comp in sorted(view.comps.values(), key=lambda c: c.updated_at):
             if comp.status == "succeeded" and not comp.late and old.get(comp.step, comp).status != "succeeded":
@@ -249,7 +267,9 @@ class Protocol(RuleBasedStateMachine):
     def one_in_flight(self) -> None:
         found = self.reader.records(WF)
         if found and not found[0].parallel:
-            assert sum(c.status in IN_FLIGHT for c in found[1].values()) <= 1
+            flying = [c for c in found[1].values() if c.status in IN_FLIGHT]
+            assert sum(not c.via for c in flying) <= 1  # one job; a routing slip rides behind it
+            assert len({c.via for c in flying if c.via}) <= 1
 
     @invariant()
     def lifo(self) -> None:

@@ -257,7 +257,9 @@ def test_counters_of_the_coordinators_add_up_to_what_happened(run: Run) -> None:
     assert run.total(c, "saga_workflow_settle_seconds_count", status="completed") == 1
     dispatched = "saga_compensations_dispatched_total"
     assert run.total(c, dispatched, server="payments", operation="refund_payment") == 2
-    assert run.total(c, dispatched, server="inventory", operation="release_inventory") == 1
+    # Twice when it rode in the refund's routing slip (taken back when the refund's first attempt
+    # failed, then dispatched again once the retried refund succeeded); once when it did not.
+    assert run.total(c, dispatched, server="inventory", operation="release_inventory") in (1, 2)
     assert run.total(c, dispatched, server="notes", operation="remove_note") == 1
     assert run.total(c, "saga_batch_duration_seconds_count") >= 1
     assert run.total(c, "saga_coordinator_heartbeat_timestamp_seconds") > 0

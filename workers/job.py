@@ -59,7 +59,7 @@ from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.records import SETTLED, Compensation, CompensationJob, arguments_digest, comp_decoder, job_decoder
 from mcp_saga.schemas.results import result_text
 from mcp_saga.workers import trust
-from mcp_saga.workers.lease import Lease
+from mcp_saga.workers.lease import Lease, park_all, release_all
 from redis import Redis
 from rq import Queue, Retry, get_current_job
 from rq.job import Job
@@ -155,7 +155,66 @@ def compensate(payload: str) -> str:
     with ctx.pool.slot(job.server) as free:
         if not free and rq_job is not None:
             return _defer(ctx, job, rq_job, payload)
-        return _Attempt(ctx, job, rq_job).run()
+        slip = _park(ctx, job.then)
+        try:
+            outcome = _Attempt(ctx, job, rq_job).run()
+        except BaseException:
+            release_all([lease for _, lease in slip])
+            raise
+    if not slip:
+        return outcome
+    return outcome + _run_slip(ctx, slip, outcome == "succeeded")
+
+
+def _park(ctx: WorkerContext, then: tuple[CompensationJob, ...]) -> list[tuple[CompensationJob, Lease]]:
+    """Lease every step of the slip up front, so none looks silent while it waits its turn.
+
+    The slip ends before the first step whose lease another worker holds.
+    """
+    leases = [_lease(ctx, member) for member in then]
+    parked = park_all(leases, ctx.config.worker.lease)
+    cut = parked.index(False) if False in parked else len(leases)
+    release_all([lease for lease, ok in zip(leases[cut:], parked[cut:], strict=True) if ok])
+    for lease in leases[:cut]:
+        lease.hold()
+    return list(zip(then[:cut], leases[:cut], strict=True))
+
+
+def _run_slip(ctx: WorkerContext, slip: list[tuple[CompensationJob, Lease]], go_on: bool) -> str:
+    """Run the slip's steps in order while each succeeds; report each as its own attempt.
+
+    Stops at the first that does not succeed (a failure, a refusal, awaiting approval) or whose
+    record is no longer queued under this slip (the coordinator took it back); the steps after
+    it are released, and the coordinator, the only writer, decides them anew.
+    """
+    done, left = 0, list(slip)
+    try:
+        for member, lease in slip:
+            outcome = ""
+            if go_on:
+                with ctx.pool.slot(member.server) as free:
+                    if free:
+                        outcome = _Attempt(ctx, member, None, token=lease.token).run()
+                        left.pop(0)  # the attempt released its lease (only an error skips that)
+            if outcome != "succeeded":
+                stopped = f"; stopped at {member.step}: {outcome or 'not run'}"
+                return f"; slip: {done} of {len(slip)} succeeded{stopped if outcome or go_on else ''}"
+            done += 1
+        return f"; slip: {done} of {len(slip)} succeeded"
+    finally:  # an error or a job timeout on the way must not leave leases renewed for steps never run
+        release_all([lease for _, lease in left])
+
+
+def _lease(ctx: WorkerContext, job: CompensationJob, token: str | None = None) -> Lease:
+    return Lease(
+        ctx.redis,
+        Keys(job.prefix, ctx.config.redis.partitions).route(job.workflow).lease(job.workflow, job.step),
+        ctx.name,
+        ctx.config.worker.lease,
+        workflow=job.workflow,
+        step=job.step,
+        token=token,
+    )
 
 
 def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) -> str:
@@ -164,9 +223,13 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
     intervals = list(rq_job.retry_intervals or ())
     base = rq_job.meta.get("base_id", rq_job.id)
     deferrals = int(rq_job.meta.get("deferrals", 0)) + 1
-    # The queue's Redis (the job's own connection), which is not the state's on a cluster.
+    delay = min(2 ** (deferrals - 1), DEFER_MAX_SECONDS)
+    # The lease parked for the wait (plus a lease, for a scheduler a little late): a deferred job
+    # is not silent, and the coordinator's short watchdog does not dispatch it again meanwhile.
+    lease = _lease(ctx, job, rq_job.meta.get("lease_token"))
+    parked = {"lease_token": lease.token} if lease.park(delay + ctx.config.worker.lease) else {}
     continuation = Queue(rq_job.origin, connection=rq_job.connection).enqueue_in(
-        timedelta(seconds=min(2 ** (deferrals - 1), DEFER_MAX_SECONDS)),
+        timedelta(seconds=delay),
         rq_job.func_name,
         payload,
         job_id=f"{base}-w{deferrals}",
@@ -175,7 +238,7 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
         result_ttl=rq_job.result_ttl,
         failure_ttl=rq_job.failure_ttl,
         description=rq_job.description,
-        meta={**rq_job.meta, "first_attempt": attempt, "deferrals": deferrals, "base_id": base},
+        meta={**rq_job.meta, "first_attempt": attempt, "deferrals": deferrals, "base_id": base, **parked},
     )
     log.info(
         "compensation deferred: its server has every slot it may use in this worker",
@@ -190,18 +253,19 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
 
 
 class _Attempt:
-    def __init__(self, ctx: WorkerContext, job: CompensationJob, rq_job: Job | None):
+    def __init__(self, ctx: WorkerContext, job: CompensationJob, rq_job: Job | None, *, token: str | None = None):
+        """`token`: a step of a routing slip (no RQ job of its own), under the lease parked for it."""
         # Bound to the workflow's partition: the report goes to the stream its coordinators read.
         self.ctx, self.job, self.keys = ctx, job, Keys(job.prefix, ctx.config.redis.partitions).route(job.workflow)
-        self.attempt, self.retries_left = attempt_of(rq_job, ctx.config.worker, job.attempts_used)
-        self.lease = Lease(
-            ctx.redis,
-            self.keys.lease(job.workflow, job.step),
-            ctx.name,
-            ctx.config.worker.lease,
-            workflow=job.workflow,
-            step=job.step,
-        )
+        self.in_slip = token is not None
+        if self.in_slip:  # one attempt here; a retry is the coordinator's next dispatch
+            self.attempt = job.attempts_used + 1
+            self.retries_left = max(0, ctx.config.worker.attempts - self.attempt)
+        else:
+            self.attempt, self.retries_left = attempt_of(rq_job, ctx.config.worker, job.attempts_used)
+        if token is None and rq_job is not None:
+            token = rq_job.meta.get("lease_token")
+        self.lease = _lease(ctx, job, token)
         self.started = time.monotonic()
         self.report: Payload | None = None
         self.traced: tracing.Attempt | None = None
@@ -215,7 +279,8 @@ class _Attempt:
             pipe.hget(self.keys.comp(job.workflow), job.step)
             if job.seq >= 0:  # the recorded step, which the trust checks compare the live declaration with
                 pipe.lindex(self.keys.steps(job.workflow), job.seq)
-            leased, holder, raw, *step = pipe.execute()
+            taken, holder, raw, *step = pipe.execute()
+        leased = self.lease.taken((taken, holder))
         self.step_raw = step[0] if step else None
         record = comp_decoder.decode(raw) if raw else None
         skip = self._skip_reason(record)
@@ -252,6 +317,8 @@ class _Attempt:
             return f"stale dispatch {self.job.dispatch}; the record is at dispatch {record.dispatch}"
         if record.kind != self.job.kind:  # a recall overtaken by the step's own result, or the reverse
             return f"superseded: the record plans a {record.kind} now, not a {self.job.kind}"
+        if self.in_slip and (record.status != "queued" or record.dispatch != self.job.dispatch):
+            return f"taken back from the routing slip (the record is {record.status}, dispatch {record.dispatch})"
         return None
 
     def _perform(self, record: Compensation) -> str:
@@ -331,7 +398,7 @@ class _Attempt:
         report = kind(**self._fields(final=final), error=clip(error), retryable=retryable)
         self._report(report)
         self._log("warning" if final else "info", "failed", retryable=retryable, final=final, error=clip(error))
-        if not final:
+        if not final and not self.in_slip:
             raise RetryableFailure(error)
         return f"failed: {error[:200]}"
 

@@ -106,9 +106,12 @@ _keeper = _Keeper()
 class Lease:
     """One attempt's hold on a compensation; `take` and `release` ride in the caller's pipeline."""
 
-    def __init__(self, redis: Redis, key: str, holder: str, seconds: float, *, workflow: str, step: str) -> None:
+    def __init__(
+        self, redis: Redis, key: str, holder: str, seconds: float, *, workflow: str, step: str, token: str | None = None
+    ) -> None:
         self.redis, self.key = redis, key
-        self.token = f"{holder}:{uuid.uuid4().hex}"
+        # A deferred job's continuation adopts the token its deferral parked the lease under.
+        self.token = token or f"{holder}:{uuid.uuid4().hex}"
         self.ms = max(1, int(seconds * 1000))
         self.every = seconds / 3
         self.workflow, self.step = workflow, step
@@ -120,6 +123,19 @@ class Lease:
         pipe.set(self.key, self.token, nx=True, px=self.ms)
         pipe.get(self.key)
 
+    def taken(self, reply: tuple[object, object]) -> bool:
+        """Whether the lease is ours, from `take`'s two replies (set, or already held under our token)."""
+        done, holder = reply
+        return bool(done) or (holder.decode() if isinstance(holder, bytes) else holder) == self.token
+
+    def park(self, seconds: float) -> bool:
+        """Hold the lease for `seconds` with no heartbeat: a deferred job's continuation is due by then.
+
+        Keeps the compensation from looking silent while it waits; False when another worker holds
+        the lease (then nothing is parked, and the continuation will find it held, as any job would).
+        """
+        return park_all([self], seconds)[0]
+
     def hold(self) -> None:
         """Keep the lease alive: the first renewal comes a third of a lease after it was taken."""
         self.renew_at = time.monotonic() + self.every
@@ -129,3 +145,26 @@ class Lease:
         """Stop renewing and queue the release (a no-op when the lease is no longer ours)."""
         _keeper.remove(self)
         evaluate(pipe, RELEASE, [self.key], [self.token])  # EVALSHA would add a SCRIPT EXISTS trip
+
+
+def park_all(leases: list[Lease], seconds: float) -> list[bool]:
+    """`Lease.park` for several leases in one round trip (a routing slip's steps)."""
+    if not leases:
+        return []
+    ms = max(1, int(seconds * 1000))
+    with leases[0].redis.pipeline(transaction=False) as pipe:
+        for lease in leases:
+            evaluate(pipe, RENEW, [lease.key], [lease.token, ms])
+            pipe.set(lease.key, lease.token, nx=True, px=ms)
+        replies = pipe.execute()
+    return [bool(replies[2 * n] or replies[2 * n + 1]) for n in range(len(leases))]
+
+
+def release_all(leases: list[Lease]) -> None:
+    """Release several leases in one round trip (the steps of a slip that stopped before them)."""
+    if not leases:
+        return
+    with leases[0].redis.pipeline(transaction=False) as pipe:
+        for lease in leases:
+            lease.release(pipe)
+        pipe.execute()

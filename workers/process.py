@@ -35,15 +35,36 @@ from mcp_saga.schemas.config import Config
 from mcp_saga.workers.healing import HealingWorker
 from mcp_saga.workers.job import clear_context, session_pool, set_context
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
 from rq.timeouts import TimerDeathPenalty
 
 log = get_logger("worker")
+# Seconds between two of RQ's idle heartbeats (its worker key lives `worker_ttl`, 420 s).
+HEARTBEAT_EVERY = 10.0
 
 
-class SlotWorker(HealingWorker):
+class SagaWorker(HealingWorker):
+    """A `HealingWorker` (workers/healing.py) without the idle heartbeats nobody reads between two jobs.
+
+    RQ beats (HSET and two EXPIREs) before and after every dequeue, each its own round trip, and
+    again in its suspension check: nine commands and six round trips per job for a key whose TTL
+    is `worker_ttl` (seven minutes). Those idle beats are sent at most every HEARTBEAT_EVERY
+    seconds; the ones that set a job's TTL (in its own bookkeeping) are always sent.
+    """
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Pipeline | None = None) -> None:
+        if timeout is None and time.monotonic() - self._beaten < HEARTBEAT_EVERY:
+            return
+        self._beaten = time.monotonic()
+        super().heartbeat(timeout, pipeline)
+
+    _beaten = float("-inf")
+
+
+class SlotWorker(SagaWorker):
     """An extra job slot in a thread of the worker process.
 
     Only the main thread may install signal handlers and use SIGALRM, so a slot installs none and
@@ -90,7 +111,7 @@ def run_worker(
     except (RedisConnectionError, RedisTimeoutError) as exc:
         log.warning("could not check the redis setup at start-up", error=str(exc))
     queue = Queue(config.keys().queue, connection=jobs)
-    worker = HealingWorker([queue], connection=jobs, name=name)
+    worker = SagaWorker([queue], connection=jobs, name=name)
     slots = [
         SlotWorker([queue], connection=jobs, name=f"{worker.name}.{i}") for i in range(1, config.worker.concurrency)
     ]
