@@ -16,7 +16,15 @@ from typing import Any
 
 import msgspec
 from redis import Redis
-from redis.exceptions import ExecAbortError, OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import (
+    ClusterDownError,
+    ExecAbortError,
+    MasterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 
 # The only policy under which Redis refuses a write instead of deleting something to make room.
 SAFE_POLICY = "noeviction"
@@ -134,6 +142,13 @@ def healing_condition(exc: BaseException) -> str | None:
         return "OOM"
     if isinstance(exc, ReadOnlyError):
         return "READONLY"
+    # A cluster failing over: its slots are served again once a replica is promoted.
+    if isinstance(exc, MasterDownError):
+        return "MASTERDOWN"
+    if isinstance(exc, ClusterDownError):
+        return "CLUSTERDOWN"
+    if isinstance(exc, TryAgainError):
+        return "TRYAGAIN"
     text = str(exc)
     word = text.split(" ", 1)[0]
     inner = SCRIPT_ERROR.search(text)  # raised by redis.call inside a script (ours or RQ's), maybe in a pipeline

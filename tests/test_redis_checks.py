@@ -72,3 +72,22 @@ def test_saga_stats_shows_policy_and_persistence(private_redis: RedisServer) -> 
     assert inspect_redis(client).persistence == "aof"
     table = _saga("stats", url=private_redis.url)
     assert "noeviction" in table.stdout and "aof" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("reply", "condition"),
+    [
+        ("CLUSTERDOWN The cluster is down", "CLUSTERDOWN"),
+        ("TRYAGAIN Multiple keys request during rehashing of slot", "TRYAGAIN"),
+        ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", "MASTERDOWN"),
+        ("WRONGTYPE Operation against a key holding the wrong kind of value", None),
+    ],
+)
+def test_a_cluster_failing_over_is_waited_out(reply: str, condition: str | None) -> None:
+    """redis-py turns these replies into classes of their own and strips the prefix: the class is what says
+    that a cluster between a primary's death and its replica's promotion is a condition that heals."""
+    from mcp_saga.runtime.redis_checks import healing_condition
+    from redis._parsers.base import BaseParser
+
+    error = BaseParser.parse_error(reply)
+    assert healing_condition(error) == condition, (type(error).__name__, str(error))
