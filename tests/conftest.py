@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from mcp_saga.cli.redis_server import resolve_redis
+from mcp_saga.cli.redis_server import RedisServer, find_redis_server, resolve_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -20,6 +20,20 @@ def redis_url() -> Iterator[str]:
     """One real server for the session (`REDIS_URL` when set, else a private redis-server)."""
     with resolve_redis(os.environ.get("SAGA_TEST_REDIS_URL")) as url:
         yield url
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisServer]:
+    """A redis-server of the test's own (no AOF, no RDB): for settings the shared one must keep, and
+    for tests that must not meet what earlier tests' processes left behind (RQ's scheduler lock)."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server")
+    server = RedisServer(binary).start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
 
 
 @pytest.fixture

@@ -9,27 +9,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-from mcp_saga.cli.redis_server import RedisServer, find_redis_server
+from mcp_saga.cli.redis_server import RedisServer
 from mcp_saga.runtime.redis_checks import inspect_redis
 from mcp_saga.schemas.config import Config, RedisSettings, ServerConfig, write_config
 from processes import REPO, saga_process, stop, wait_for
-
-
-@pytest.fixture
-def private_redis() -> Iterator[RedisServer]:
-    binary = find_redis_server()
-    if binary is None:
-        pytest.skip("no redis-server")
-    server = RedisServer(binary).start()  # no AOF, no RDB: a server without persistence
-    try:
-        yield server
-    finally:
-        server.cleanup()
 
 
 def _saga(*args: str, url: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:

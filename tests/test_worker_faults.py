@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from mcp_saga.cli.redis_server import RedisServer
 from processes import start_http_servers, stop, wait_for
 from test_worker_job import FAST, K, plan, reports, start_worker, write_config
 
@@ -111,10 +112,13 @@ def test_a_hung_server_does_not_hold_back_another_servers_compensation(
                     os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(200)
 def test_a_deferred_compensation_runs_once_a_slot_is_free_without_using_an_attempt(
-    r: redis.Redis, redis_url: str, tmp_path: Path
+    private_redis: RedisServer, tmp_path: Path
 ) -> None:
+    # A Redis of its own: the continuation comes back through RQ's scheduler, whose lock a scheduler
+    # child of an earlier test's worker (it outlives a SIGKILLed worker) could otherwise still hold.
+    redis_url, r = private_redis.url, redis.Redis.from_url(private_redis.url)
     seen = tmp_path / "arrivals"
     with start_http_servers(
         # A call longer than SLOT_PATIENCE: the second job finds its server stuck, not just busy.
@@ -127,9 +131,7 @@ def test_a_deferred_compensation_runs_once_a_slot_is_free_without_using_an_attem
             plan(r, f"slow-{n}", "s", {"n": n}, server="slow", worker=settings, **NOOP)
         worker = start_worker(redis_url, config, "w-defer", tmp_path / "worker.log")
         try:
-            # The continuation comes back through RQ's scheduler, whose lock another worker of an earlier
-            # test may still hold for up to a couple of minutes: a bounded wait, generous on purpose.
-            wait_for(lambda: all(reports(r, f"slow-{n}") for n in (1, 2)), 200, "both compensations")
+            wait_for(lambda: all(reports(r, f"slow-{n}") for n in (1, 2)), 120, "both compensations")
         finally:
             stop(worker)
     assert "compensation deferred" in (tmp_path / "worker.log").read_text()  # one waited for the other
