@@ -4,9 +4,10 @@
 
 The upstream is bench.publisher's server over streamable HTTP (one tool sleeping 2 ms that
 declares its compensation); the gateway is a real `saga gateway` process in front of it, which
-forwards each call and records it (one XADD, off the call's path). Direct and gateway rounds
-alternate in shuffled order over warm sessions, so load from other processes hits both alike;
-the figures are medians over the rounds.
+forwards each call and records it: the intent awaited before forwarding (one XADD round trip on the
+call's path; `--no-intents` turns it off to measure its share), the step-completed off the path.
+Direct and gateway rounds alternate in shuffled order over warm sessions, so load from other
+processes hits both alike; the figures are medians over the rounds.
 """
 
 from __future__ import annotations
@@ -57,14 +58,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def timings(redis_url: str, *, calls: int, rounds: int) -> dict[str, list[float]]:
+def timings(redis_url: str, *, calls: int, rounds: int, intents: bool = True) -> dict[str, list[float]]:
     import redis
     from mcp_saga.cli.procs import free_port, saga_process, start_http_server, stop, wait_until_accepting
     from mcp_saga.schemas.config import parse_config, write_config
 
     with start_http_server("bench.publisher", "--serve") as (_, upstream), tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        settings = {"servers": {"bench": {"url": upstream}}, "gateway": {"port": port, "allow_anonymous": True}}
+        gateway_settings = {"port": port, "allow_anonymous": True, "intents": intents}
+        settings = {"servers": {"bench": {"url": upstream}}, "gateway": gateway_settings}
         config = write_config(parse_config({"prefix": PREFIX, **settings}), Path(tmp) / "saga.toml")
         gateway = saga_process("gateway", redis_url=redis_url, config=config, env={"SAGA_LOG_LEVEL": "WARNING"})
         try:
@@ -94,13 +96,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=100, help="calls per round")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL, else a private one")
+    parser.add_argument("--no-intents", action="store_true", help="[gateway] intents = false: no awaited intent")
     args = parser.parse_args(argv)
     from mcp_saga.cli.redis_server import resolve_redis
 
     with resolve_redis(args.redis) as url:
-        times = timings(url, calls=args.calls, rounds=args.rounds)
+        times = timings(url, calls=args.calls, rounds=args.rounds, intents=not args.no_intents)
     direct, through = statistics.median(times["direct"]), statistics.median(times["gateway"])
     print(f"tool sleeps {DELAY * 1000:g} ms, streamable HTTP, {args.rounds} rounds of {args.calls} calls each way;")
+    print(f"intents {'off' if args.no_intents else 'on'};")
     print(f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'direct call ms':22}{direct * 1000:10.3f}")
     print(f"{'through gateway ms':22}{through * 1000:10.3f}")

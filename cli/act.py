@@ -79,7 +79,7 @@ def _operator(command: str) -> Callable[[Ops], int]:
 
 
 ACTIONS = {
-    "retry": "dispatch failed, refused or unrecoverable compensations again (all of them without --step)",
+    "retry": "dispatch failed, refused or unrecoverable compensations again, recall in-doubt steps (all: no --step)",
     "resolve": "record that a person undid the step by hand; unwinding continues",
     "skip": "leave the step as it is; unwinding continues",
     "approve": "allow a compensation the policy holds for approval",

@@ -24,9 +24,9 @@ from mcp_saga.runtime.connect import check_layout
 from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import get_logger
-from mcp_saga.runtime.redis_checks import RateLimitedLog, check_redis, healing_condition
+from mcp_saga.runtime.redis_checks import MAX_REFUSAL_BACKOFF, RateLimitedLog, check_redis, healing_condition
 from mcp_saga.schemas.config import Config
-from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, decode_entry, stream_id
+from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, StepStarted, decode_entry, stream_id
 from mcp_saga.schemas.keys import STATUSES
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -40,8 +40,6 @@ Groups = dict[str, list[tuple[Event, dict[bytes, bytes]]]]
 MAX_CONFLICT_RETRIES = 20
 # Longest pause between attempts while Redis is unreachable (restart, failover, network).
 MAX_OUTAGE_BACKOFF = 2.0
-# Longest pause while Redis refuses writes (OOM, read-only replica, failed persistence).
-MAX_REFUSAL_BACKOFF = 5.0
 # Workflows whose step count a coordinator remembers for the fast path (see _record_fresh_steps).
 STEP_COUNT_CACHE = 100_000
 # Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
@@ -218,6 +216,7 @@ class Coordinator:
         started, now = time.perf_counter(), time.time()
         groups, dead = self._decode(entries)
         traces = tracing.event_traces(groups)
+        announced = {w for w, items in groups.items() if any(isinstance(e.data, StepStarted) for e, _ in items)}
         fresh = self._record_fresh_steps(groups, now)
         committed, contended, conflicts = self._fold(groups, now, dead)
         tracing.transitions(committed, traces, now)
@@ -231,11 +230,13 @@ class Coordinator:
         # touched (so a redelivery repairs what a crash after the commit left undone), and for the
         # fast path's workflows when they were created or the entries are redelivered.
         items = [index_item(v, self.machine.next_deadline(v) if v.full else None, v.full) for v in committed]
-        items += [
-            (w, f"{rec.created_at:.6f}", rec.version, "running", f"{rec.created_at:.6f}", "")
-            for w, rec in fresh.items()
-            if rec.created or redelivered
-        ]
+        # A workflow with an intent recorded here gets the deadline at which an unsettled one makes it
+        # abandoned (Machine.idle_due); the watchdog's look then finds it settled, or fails the workflow.
+        idle = f"{now + self.config.coordinator.in_doubt_after:.6f}"
+        for w, rec in fresh.items():
+            if rec.created or redelivered or w in announced:
+                deadline = idle if w in announced else ""
+                items.append((w, f"{rec.created_at:.6f}", rec.version, "running", f"{rec.created_at:.6f}", deadline))
         self.store.follow_up(items, committed, dead)
         unacked = {e.id for items_ in contended.values() for e, _ in items_}
         self.store.settle(committed, [i for i, _ in entries if i.decode() not in unacked])
@@ -326,21 +327,17 @@ class Coordinator:
         """
         batches = {}
         for workflow, items in groups.items():
-            names = [e.data.step for e, _ in items if isinstance(e.data, StepCompleted)]
+            names = [e.data.step for e, _ in items if isinstance(e.data, StepCompleted | StepStarted)]
             if len(names) != len(items) or len(set(names)) != len(names):
-                continue
+                continue  # an intent and its result in one batch: the settle needs the record, so CAS
             base = self._step_counts.get(workflow, 0)
             steps = []
             for n, (event, _) in enumerate(items):
-                comp, entries = self.machine.plan_step(
-                    workflow,
-                    event.data,  # type: ignore[arg-type]
-                    base + n,
-                    False,
-                    now,
-                    event.id,
-                    event.repairs,
-                )
+                data, seq = event.data, base + n
+                if isinstance(data, StepStarted):
+                    comp, entries = self.machine.plan_started(workflow, data, seq, now, event.id, event.repairs)
+                else:
+                    comp, entries = self.machine.plan_step(workflow, data, seq, False, now, event.id, event.repairs)  # type: ignore[arg-type]
                 steps.append((comp, event.raw, entries))
             batches[workflow] = (base, steps)
         recorded = {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from mcp_saga.coordinator.planner import plan_step
+from mcp_saga.coordinator.planner import plan_in_doubt, plan_step
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import (
     TEXT_MAX,
@@ -25,15 +25,28 @@ from mcp_saga.schemas.events import (
     CompensationSucceeded,
     Event,
     OperatorCommand,
+    RecallFailed,
+    RecallSucceeded,
     Report,
     StepCompleted,
+    StepStarted,
     WorkflowCompleted,
     WorkflowFailed,
     cut_text,
+    encode_payload,
     stream_id,
 )
 from mcp_saga.schemas.operators import operator_refusal
-from mcp_saga.schemas.records import IN_FLIGHT, SETTLED, UNWINDING, Compensation, CompensationJob, WorkflowState
+from mcp_saga.schemas.records import (
+    IN_FLIGHT,
+    OPEN,
+    SETTLED,
+    UNWINDING,
+    Compensation,
+    CompensationJob,
+    WorkflowState,
+)
+from mcp_saga.schemas.results import result_text
 from mcp_saga.schemas.timeline import Outcome, TimelineEntry
 
 
@@ -59,6 +72,8 @@ class WorkflowView:
     # Whether `comps` holds every record (else only those the batch's step events named).
     full: bool
     new_steps: list[bytes] = field(default_factory=list)
+    # Stack entries replaced in place (position -> entry): a started step settled by its result.
+    set_steps: dict[int, bytes] = field(default_factory=dict)
     changed: dict[str, Compensation] = field(default_factory=dict)
     log: list[TimelineEntry] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
@@ -77,7 +92,9 @@ class WorkflowView:
 
     @property
     def dirty(self) -> bool:
-        return bool(self.new_steps or self.changed or self.log or self.state.version != self.loaded_version)
+        return bool(
+            self.new_steps or self.set_steps or self.changed or self.log or self.state.version != self.loaded_version
+        )
 
     def note(self, kind: str, now: float, step: str | None = None, **detail: object) -> None:
         self.log.append(timeline_entry(kind, now, step, **detail))
@@ -96,6 +113,16 @@ def completion_order(comp: Compensation) -> tuple[int, int, int]:
         return (*stream_id(comp.event_id), comp.seq)
     except ValueError:  # a record written before it carried its event's id
         return 0, 0, comp.seq
+
+
+FAILED_CALL = "its call answered with an error (isError): nothing to undo"
+
+
+def completions(view: WorkflowView) -> int:
+    """Steps the orchestrator saw complete among those recorded: what `stepsCompleted` counts (not an
+    intent still open, nor one its call's error answer settled: either could make the barrier let go
+    while a completed step is still on its way, and that step would then be undone out of order)."""
+    return view.state.steps - sum(1 for c in view.comps.values() if c.open_intent or c.failed_call)
 
 
 class Machine:
@@ -127,11 +154,13 @@ class Machine:
         match data:
             case StepCompleted():
                 self._step(view, event, data, now)
+            case StepStarted():
+                self._started(view, event, data, now)
             case WorkflowFailed():
                 self._failed(view, data, now)
             case WorkflowCompleted():
                 self._completed(view, now)
-            case CompensationSucceeded() | CompensationFailed() | CompensationRefused():
+            case Report():
                 self._report(view, data, now)
             case OperatorCommand():
                 self._operator(view, event.type, data, now)
@@ -159,6 +188,8 @@ class Machine:
         before, changes = state.status, view.changes
         if self.barrier_due(view, now) and not hold_barrier:
             self._expire_barrier(view, now)
+        if self.idle_due(view, now):
+            self._abandoned(view, now)
         for comp in list(view.comps.values()):
             if comp.status not in IN_FLIGHT or now < self.silent_until(comp):
                 continue
@@ -195,6 +226,15 @@ class Machine:
         state = view.state
         return state.status == "failed" and bool(state.barrier_deadline) and now >= state.barrier_deadline
 
+    def idle_due(self, view: WorkflowView, now: float) -> bool:
+        """A running workflow with a call started and never settled, and no event for `in_doubt_after`."""
+        state = view.state
+        return (
+            state.status == "running"
+            and now >= state.updated_at + self.settings.in_doubt_after
+            and any(c.status == "started" for c in view.comps.values())
+        )
+
     @property
     def attempts(self) -> int:
         return self.config.worker.attempts
@@ -212,14 +252,20 @@ class Machine:
         state = view.state
         if state.status == "failed" and state.barrier_deadline:
             return state.barrier_deadline
+        if state.status == "running":
+            started = any(c.status == "started" for c in view.comps.values())
+            return state.updated_at + self.settings.in_doubt_after if started else None
         silent = [self.silent_until(c) for c in view.comps.values() if c.status in IN_FLIGHT]
         return min(silent) if silent else None
 
     # Transitions -------------------------------------------------------------------------
 
     def _step(self, view: WorkflowView, event: Event, data: StepCompleted, now: float) -> None:
-        if data.step in view.comps:
-            return  # a redelivery, or the orchestrator published twice
+        existing = view.comps.get(data.step)
+        if existing is not None:
+            if existing.open_intent:  # the result of a call whose intent is recorded
+                self._settle(view, event, data, existing, now)
+            return  # else a redelivery, or the orchestrator published twice
         state = view.state
         if state.status == "completed":
             self._step_after_completion(view, event, data, now)
@@ -232,8 +278,112 @@ class Machine:
         view.log += entries
         if late and state.status in ("compensated", "needs-attention"):
             state.status = "compensating"
-        if state.status == "failed" and state.steps >= state.expected_steps:
+        if state.status == "failed" and completions(view) >= state.expected_steps:
             self._unwind(view, now)
+
+    def plan_started(
+        self, workflow: str, data: StepStarted, seq: int, now: float, event_id: str = "", repairs: tuple[str, ...] = ()
+    ) -> tuple[Compensation, list[TimelineEntry]]:
+        """An intent's record and its timeline entries (also for the fast path, which records without a read)."""
+        overlay = self.config.overlay(data.server, data.tool)
+        idempotent = self.idempotent(data.server, data.tool, data.annotations)
+        comp = plan_in_doubt(workflow, data, seq, overlay, idempotent, now, self.config.policy).compensation
+        comp.event_id = event_id
+        entries = []
+        if repairs:
+            entries.append(
+                timeline_entry("event-repaired", now, data.step, event=StepStarted.TYPE, detail=_repairs(repairs))
+            )
+        return comp, entries
+
+    def _started(self, view: WorkflowView, event: Event, data: StepStarted, now: float) -> None:
+        """Record the intent at its place on the stack, with the plan for the case it is never settled."""
+        if data.step in view.comps:
+            return  # a redelivery, or its step-completed was handled first (a claim reordered them)
+        state = view.state
+        comp, entries = self.plan_started(view.workflow, data, state.steps, now, event.id, event.repairs)
+        view.log += entries
+        view.put(comp, now)
+        view.new_steps.append(event.raw)
+        state.steps += 1
+        if state.status == "completed":
+            comp.status, comp.reason = "skipped", "started after the workflow completed, which is never undone"
+            view.note("late-step", now, data.step, tool=data.tool, plan=comp.status, reason=comp.reason)
+        elif state.status in UNWINDING:  # an intent handled after the failure: nothing will settle it in time
+            comp.late = True
+            self._doubt(view, comp, now)
+            if state.status in ("compensated", "needs-attention"):
+                state.status = "compensating"
+
+    def idempotent(self, server: str, tool: str, annotations: dict | None) -> bool:
+        """Whether a tool is idempotent under its forward key: its own annotation, or the operator says so."""
+        return (annotations or {}).get("idempotentHint") is True or self.config.declared_idempotent(server, tool)
+
+    def _doubt(self, view: WorkflowView, comp: Compensation, now: float) -> None:
+        """An intent the unwind found open: it takes the plan made for this case when it was recorded."""
+        comp.in_doubt = True
+        comp.status = comp.if_in_doubt or "in-doubt"
+        view.put(comp, now)
+        view.note(
+            "step-in-doubt", now, comp.step, tool=comp.tool, plan=comp.status, reason=comp.reason, key=comp.forward_key
+        )
+
+    def _settle(self, view: WorkflowView, event: Event, data: StepCompleted, intent: Compensation, now: float) -> None:
+        """A step-completed for a recorded intent: plan from its result, at the intent's place on the stack.
+
+        Once the step is being undone with the request's arguments, has been settled by a recall,
+        or an operator has judged it, the result changes nothing: it is noted, not planned again.
+        """
+        if (data.server, data.tool) != (intent.server, intent.tool):
+            raise Rejected(
+                f"step-completed for step {data.step!r} names {data.server}:{data.tool}, "
+                f"but its step-started named {intent.server}:{intent.tool}"
+            )
+        state = view.state
+        if data.result.get("isError") is True:  # the call answered with an error: nothing was done
+            intent.status, intent.open_intent, intent.kind, intent.failed_call = "skipped", False, "compensation", True
+            intent.reason = FAILED_CALL
+            view.put(intent, now)
+            view.set_steps[intent.seq] = event.raw
+            if intent.in_doubt:
+                view.note("step-settled", now, data.step, plan=intent.status, reason=intent.reason)
+            if state.status == "failed" and completions(view) >= state.expected_steps:
+                self._unwind(view, now)
+            return
+        replannable = intent.status in OPEN or (
+            intent.status == "pending" if intent.kind == "compensation" else intent.status not in SETTLED
+        )
+        if not replannable:
+            intent.open_intent = False
+            view.put(intent, now)
+            view.note(
+                "step-settled-late",
+                now,
+                data.step,
+                detail=f"its step-completed arrived when the step was already {intent.status}; left as it is",
+            )
+        else:
+            late = state.status in UNWINDING
+            comp, entries = self.plan_step(view.workflow, data, intent.seq, late, now, intent.event_id, event.repairs)
+            comp.forward_key, comp.in_doubt, comp.dispatch = intent.forward_key, intent.in_doubt, intent.dispatch
+            view.put(comp, now)
+            view.set_steps[intent.seq] = event.raw
+            view.log += entries
+            if intent.in_doubt:
+                view.note("step-settled", now, data.step, plan=comp.status, detail="planned from its result")
+            if late and state.status in ("compensated", "needs-attention"):
+                state.status = "compensating"
+        if state.status == "failed" and completions(view) >= state.expected_steps:
+            self._unwind(view, now)
+
+    def _abandoned(self, view: WorkflowView, now: float) -> None:
+        """No event for `in_doubt_after` while a call was open: the agent is presumed gone; unwind."""
+        names = ", ".join(sorted(c.step for c in view.comps.values() if c.status == "started"))[:500]
+        reason = (
+            f"no event for {self.settings.in_doubt_after:g}s while step(s) {names} had started and not "
+            "settled: the agent is presumed gone"
+        )
+        self._failed(view, WorkflowFailed(reason=reason), now)
 
     def _step_after_completion(self, view: WorkflowView, event: Event, data: StepCompleted, now: float) -> None:
         """A step published before workflow-completed but handled after it (a coordinator died holding
@@ -260,6 +410,8 @@ class Machine:
         comp = plan.compensation
         comp.late = late
         comp.event_id = event_id
+        if data.result.get("isError") is True:  # the settle of a failed call whose intent comes later (a claim)
+            comp.status, comp.reason, comp.failed_call = "skipped", FAILED_CALL, True
         # The step stack already records every step; the timeline records the ones that need a
         # word: late, not compensable (skipped, unrecoverable, and why), or planned from an overlay.
         entries = []
@@ -296,14 +448,14 @@ class Machine:
         state.expected_steps = data.steps_completed or 0
         error = data.failed_step.error if data.failed_step else None
         view.note("workflow-failed", now, reason=data.reason, tool=state.failed_tool, error=error)
-        if state.expected_steps > state.steps:
+        if state.expected_steps > completions(view):
             state.status = "failed"
             state.barrier_deadline = now + self.settings.barrier_grace
             view.note(
                 "barrier-wait",
                 now,
                 detail=f"waiting up to {self.settings.barrier_grace:g}s for "
-                f"{state.expected_steps - state.steps} more step(s)",
+                f"{state.expected_steps - completions(view)} more step(s)",
             )
             if self.settings.barrier_grace == 0:
                 self._expire_barrier(view, now)
@@ -316,11 +468,14 @@ class Machine:
         view.note(
             "barrier-expired",
             now,
-            detail=f"{state.expected_steps - state.steps} announced step(s) never arrived; unwinding the rest",
+            detail=f"{state.expected_steps - completions(view)} announced step(s) never arrived; unwinding the rest",
         )
         self._unwind(view, now)
 
     def _unwind(self, view: WorkflowView, now: float) -> None:
+        for comp in sorted(view.comps.values(), key=completion_order):
+            if comp.status == "started":
+                self._doubt(view, comp, now)
         view.state.status = "compensating"
         view.state.barrier_deadline = 0.0
 
@@ -355,6 +510,9 @@ class Machine:
         )
         if comp.status in SETTLED:
             return  # a redelivery, or a superseded dispatch reporting late: the first word stands
+        if isinstance(data, RecallSucceeded | RecallFailed):
+            self._recalled(view, comp, data, detail, now)
+            return
         if isinstance(data, CompensationSucceeded):
             comp.status = "succeeded"
             comp.attempts += 1
@@ -392,6 +550,56 @@ class Machine:
                 **detail,
             )
         view.put(comp, now)
+
+    def _recalled(
+        self, view: WorkflowView, comp: Compensation, data: RecallSucceeded | RecallFailed, detail: dict, now: float
+    ) -> None:
+        """A worker's word on re-calling an in-doubt step's tool: its result settles the step."""
+        if comp.kind != "recall":
+            return  # its step-completed arrived first and settled it
+        if isinstance(data, RecallSucceeded):
+            if data.result.get("isError"):
+                comp.status, comp.attempts, comp.spent = "skipped", comp.attempts + 1, comp.spent + 1
+                text = result_text(data.result, " ") or "no text"
+                comp.reason = cut_text(
+                    f"in doubt, and calling it again with its forward key returned an error: nothing to undo ({text})",
+                    TEXT_MAX,
+                )
+                view.put(comp, now)
+                view.note("recall-succeeded", now, comp.step, plan=comp.status, reason=comp.reason, **detail)
+                return
+            step = StepCompleted(
+                step=comp.step,
+                server=comp.server,
+                tool=comp.tool,
+                result=data.result,
+                arguments=comp.arguments or {},
+                recovery=comp.recovery,
+            )
+            new, entries = self.plan_step(view.workflow, step, comp.seq, comp.late, now, comp.event_id)
+            new.forward_key, new.in_doubt, new.dispatch = comp.forward_key, True, comp.dispatch
+            new.open_intent = comp.open_intent
+            view.put(new, now)
+            view.set_steps[comp.seq] = encode_payload(step)
+            view.log += entries
+            view.note("recall-succeeded", now, comp.step, plan=new.status, reason=new.reason, **detail)
+            return
+        if data.dispatch != comp.dispatch or data.attempt <= comp.attempt:
+            return
+        comp.attempt, comp.attempts, comp.spent, comp.heard_at = data.attempt, comp.attempts + 1, comp.spent + 1, now
+        comp.last_error = cut_text(f"recall: {data.error}", TEXT_MAX)
+        comp.status = "failed" if data.final else "running"
+        if data.final:
+            self._outcome(view, "compensation-failed", now, comp.step, "failed", comp.last_error)
+        view.put(comp, now)
+        view.note(
+            "recall-failed" if data.final else "recall-attempt-failed",
+            now,
+            comp.step,
+            error=data.error,
+            retryable=data.retryable,
+            **detail,
+        )
 
     def _operator(self, view: WorkflowView, kind: str, data: OperatorCommand, now: float) -> None:
         state = view.state
@@ -448,9 +656,9 @@ class Machine:
         problems = [
             f"step {c.step}: {c.status}" + (f" ({c.last_error or c.reason})" if c.last_error or c.reason else "")
             for c in lifo
-            if c.status in ("failed", "awaiting-approval", "unrecoverable")
+            if c.status in ("failed", "awaiting-approval", "unrecoverable", "in-doubt")
         ]
-        missing = state.expected_steps - state.steps if state.barrier_expired else 0
+        missing = state.expected_steps - completions(view) if state.barrier_expired else 0
         if missing > 0:
             problems.insert(0, f"{missing} step(s) the orchestrator announced were never recorded")
         state.attention = "; ".join(problems)[:2000]
@@ -472,7 +680,7 @@ class Machine:
         view.put(comp, now)
         view.jobs.append(self.job_for(view.workflow, comp))
         view.note(
-            "compensation-dispatched",
+            "recall-dispatched" if comp.kind == "recall" else "compensation-dispatched",
             now,
             comp.step,
             server=comp.server,
@@ -498,6 +706,7 @@ class Machine:
             prefix=self.prefix,
             seq=comp.seq,
             attempts_used=comp.spent,
+            kind=comp.kind,
         )
 
     def _touch(self, view: WorkflowView, before: str | None, now: float) -> None:

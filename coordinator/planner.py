@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 from mcp_saga.schemas.config import Policy
-from mcp_saga.schemas.events import StepCompleted
-from mcp_saga.schemas.expressions import UnresolvableError, resolve_parameters
+from mcp_saga.schemas.events import StepCompleted, StepStarted
+from mcp_saga.schemas.expressions import ExpressionError, UnresolvableError, referenced_pointers, resolve_parameters
 from mcp_saga.schemas.records import Compensation, idempotency_key
 from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 
@@ -71,6 +71,80 @@ def plan_step(
         return Plan(_mark(base, "unrecoverable", f"recovery unavailable: {exc}", source), tuple(notes))
     base.idempotency_key = idempotency_key(workflow, step.step, operation.operation_id)
     return Plan(base, tuple(notes))
+
+
+IN_DOUBT_BINDS_RESPONSE = "in doubt: the outcome is unknown and the compensation binds the response"
+IN_DOUBT_RECALL = "in doubt: the tool is idempotent under its forward key; called again to learn its result"
+
+
+def as_completed(step: StepStarted, result: dict | None = None) -> StepCompleted:
+    """A started step seen as completed with `result` (none known: an empty one, which binds nothing)."""
+    return StepCompleted(
+        step=step.step,
+        server=step.server,
+        tool=step.tool,
+        result=result or {},
+        arguments=step.arguments,
+        recovery=step.recovery,
+        annotations=step.annotations,
+        trace=step.trace,
+    )
+
+
+def plan_in_doubt(
+    workflow: str,
+    step: StepStarted,
+    seq: int,
+    overlay: Recovery | None,
+    idempotent: bool,
+    now: float,
+    policy: Policy | None = None,
+) -> Plan:
+    """A started step's record: status `started`, with the plan to follow if its outcome is never learned.
+
+    Planned when the intent is recorded, like a completed step's plan, and used only if the
+    workflow unwinds while the step is still open (`if_in_doubt` is the status it then takes). In
+    order: a step with nothing to undo (no recovery) or an unusable declaration keeps that verdict;
+    a tool idempotent under its forward key is called again to learn the result (a `recall`); a
+    compensation whose bindings read only the request runs with them (a server must accept the
+    undo of what never happened); anything else is `in-doubt` and waits for an operator, because
+    its arguments would have to be guessed. The recall's fields (the tool, its arguments, the
+    forward key) are kept in that last case too, so that an operator who learns that the tool
+    honours the key can declare it idempotent and `saga retry` the step.
+    """
+    plan = plan_step(workflow, as_completed(step), seq, overlay, now, policy)
+    comp = plan.compensation
+    comp.forward_key, comp.recovery, comp.open_intent = step.forward_key, step.recovery, True
+    verdict = comp.status
+    binds_response = _binds_response(overlay if overlay is not None else _declared(step))
+    usable = comp.operation_id is not None and (comp.status == "pending" or binds_response)
+    if usable and (idempotent or comp.status != "pending"):
+        comp.kind = "recall"
+        comp.operation_id, comp.arguments, comp.idempotency_key = step.tool, dict(step.arguments), step.forward_key
+        if idempotent:
+            verdict, comp.reason = "pending", IN_DOUBT_RECALL
+        else:
+            verdict, comp.reason = "in-doubt", IN_DOUBT_BINDS_RESPONSE
+    elif usable:
+        comp.reason = "in doubt: the compensation binds only the request, so it runs with the call's arguments"
+    comp.if_in_doubt, comp.status = verdict, "started"  # type: ignore[assignment]
+    return plan
+
+
+def _declared(step: StepStarted) -> Recovery | None:
+    parsed = _declaration(step.recovery) if step.recovery is not None else None
+    return parsed if isinstance(parsed, Recovery) else None
+
+
+def _binds_response(recovery: Recovery | None) -> bool:
+    """Whether any binding of the recovery reads the response (a binding that does not parse counts)."""
+    operation = recovery.compensating_operation if recovery is not None else None
+    if operation is None:
+        return False
+    try:
+        return any(kind != "request.body" for _, kind, _ in referenced_pointers(operation.parameters))
+    except ExpressionError:
+        return True
 
 
 _declarations: dict[bytes, Recovery | RecoveryError] = {}

@@ -132,6 +132,8 @@ class Store:
                 args += (step, comp_encoder.encode(comp))
             args += view.new_steps
             args += flat_entries(view.log)
+            for position, raw in view.set_steps.items():
+                args += (position, raw)
             self._apply(keys=self.keys.workflow_keys(view.workflow), args=args, client=pipe)
         oks = [bool(ok) for ok in self._execute(pipe, "commit")]
         for view, ok in zip(views, oks, strict=True):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp_saga.runtime.failpoints import fail_point
 
 DB_ENV = "SAGA_EXAMPLE_DB"
 FAIL_RATE_ENV = "SAGA_EXAMPLE_FAIL_RATE"
@@ -123,6 +124,14 @@ class Tx:
         self._record(holding, to, now)
         return json.loads(row[1])
 
+    def holdings_where(self, kind: str, field: str, value: str, status: str) -> list[str]:
+        """Ids of the `kind` holdings in `status` whose data has `field` = `value` (e.g. an order's charges)."""
+        rows = self.conn.execute(
+            "SELECT id FROM holdings WHERE kind = ? AND status = ? AND json_extract(data, '$.' || ?) = ?",
+            (kind, status, field, value),
+        ).fetchall()
+        return [row[0] for row in rows]
+
     def _record(self, holding: str, change: str, at: float) -> None:
         self.conn.execute(
             "INSERT INTO effects (at, tool, holding, change, idempotency_key, arguments) VALUES (?, ?, ?, ?, ?, ?)",
@@ -167,7 +176,9 @@ class Ledger:
             if key is not None:
                 stored = (tool, key, json.dumps(result), time.time())
                 conn.execute("INSERT INTO idempotency VALUES (?, ?, ?, ?)", stored)
-            return result
+        if not compensating:  # the effect landed; an armed fault loses (or delays) the answer
+            fail_point("example.after-commit")
+        return result
 
     def state(self) -> dict[str, Any]:
         return read_state(self.path)

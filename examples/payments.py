@@ -32,6 +32,11 @@ class Refund(BaseModel):
     status: Literal["refunded"] = "refunded"
 
 
+class OrderRefund(BaseModel):
+    orderId: str
+    refunded: list[str]
+
+
 def build(ledger: Ledger) -> MCPServer:
     app = new_app(NAME, ledger)
 
@@ -64,6 +69,20 @@ def build(ledger: Ledger) -> MCPServer:
         key = idempotency_key(ctx) or idempotencyKey
         arguments = {"transactionId": transactionId}
         return Refund(**ledger.apply("refund_payment", key, arguments, effect, compensating=True))
+
+    @app.tool(annotations=ToolAnnotations(destructiveHint=True, idempotentHint=True))
+    def refund_order(orderId: str, ctx: Context, idempotencyKey: str | None = None) -> OrderRefund:
+        """Refund every charge of an order; an order with no charge (the charge never happened) refunds
+        nothing and succeeds: the undo of a call whose outcome is unknown, bound from its request alone."""
+
+        def effect(tx: Tx) -> dict:
+            charges = tx.holdings_where("charge", "orderId", orderId, "charged")
+            for transaction in charges:
+                tx.transition("charge", transaction, allowed_from="charged", to="refunded")
+            return {"orderId": orderId, "refunded": charges}
+
+        key = idempotency_key(ctx) or idempotencyKey
+        return OrderRefund(**ledger.apply("refund_order", key, {"orderId": orderId}, effect, compensating=True))
 
     return app
 

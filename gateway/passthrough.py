@@ -137,22 +137,27 @@ class PassThrough:
             await _answer(send, 200, wire.error_response(peeked.id, types.INTERNAL_ERROR, str(exc)), _JSON)
             return
         arguments = params.get("arguments") or {}
+        try:
+            step, extra = await gateway.intend(self.name, workflow, str(tool), arguments, meta)
+        except NotRecordable as exc:
+            log.warning("call refused", workflow=workflow, server=self.name, tool=tool, reason=str(exc))
+            await _answer(send, 200, wire.error_response(peeked.id, types.INTERNAL_ERROR, str(exc)), _JSON)
+            return
 
         async def record(message: dict[str, Any]) -> dict[str, Any]:
             result = message.get("result")
-            if (
-                not isinstance(result, dict)
-                or result.get("isError")
-                or result.get("resultType") not in (None, "complete")
-            ):
+            if not isinstance(result, dict):
+                return message
+            if result.get("isError") or result.get("resultType") not in (None, "complete"):
+                gateway.settle_failed(self.name, workflow, str(tool), arguments, result, step)
                 return message  # not a completed step: a failure, or a round that asks for input first
-            step = await gateway.record(self.name, workflow, str(tool), arguments, result)
-            return {**message, "result": stamped(result, workflow, step)}
+            recorded = await gateway.record(self.name, workflow, str(tool), arguments, result, step)
+            return {**message, "result": stamped(result, workflow, recorded)}
 
-        await self._forward("POST", headers, self._body(peeked, body), send, watch, peeked.id, record)
+        await self._forward("POST", headers, self._body(peeked, body, extra), send, watch, peeked.id, record)
 
-    def _body(self, peeked: wire.Peeked, body: bytes) -> bytes:
-        return wire.forwarded(peeked, WORKFLOW_META_KEY, self.client) or body
+    def _body(self, peeked: wire.Peeked, body: bytes, add: dict[str, Any] | None = None) -> bytes:
+        return wire.forwarded(peeked, WORKFLOW_META_KEY, self.client, add) or body
 
     def _tools_list(self, peeked: wire.Peeked) -> Edit:
         first_page = not peeked.params.get("cursor")

@@ -34,11 +34,12 @@ from mcp.shared.exceptions import MCPError
 from mcp_saga.gateway.identity import NoWorkflow, new_session_workflow, resolve_workflow, session_workflow
 from mcp_saga.gateway.recorder import NotRecordable, Recorder
 from mcp_saga.runtime.logs import get_logger
-from mcp_saga.runtime.publish import clip, step_entry
-from mcp_saga.runtime.recovery_wire import RECOVERY_META_KEY, declaration_from_wire
+from mcp_saga.runtime.publish import clip, started_entry, step_entry
+from mcp_saga.runtime.recovery_wire import IDEMPOTENCY_META_KEY, RECOVERY_META_KEY, declaration_from_wire
 from mcp_saga.runtime.sessions import GATEWAY_CLIENT, AsyncSessions, ProtocolError, SessionError
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import STEP_META_KEY, WORKFLOW_META_KEY
+from mcp_saga.schemas.records import forward_key
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import TypeAdapter
 
@@ -227,26 +228,77 @@ class Gateway:
             log.warning("call refused", workflow=workflow, server=name, tool=params.name, reason=str(exc))
             raise MCPError(code=types.INTERNAL_ERROR, message=str(exc)) from None
         arguments = params.arguments or {}
+        try:
+            step, extra = await self.intend(name, workflow, params.name, arguments, params.meta)
+        except NotRecordable as exc:
+            log.warning("call refused", workflow=workflow, server=name, tool=params.name, reason=str(exc))
+            raise MCPError(code=types.INTERNAL_ERROR, message=str(exc)) from None
 
         async def run(client: Client) -> Any:
-            request = types.CallToolRequest(params=_forwarded_params(params))
+            request = types.CallToolRequest(params=_forwarded_params(params, extra))
             return await client.session.send_request(request, RAW, progress_callback=_progress(ctx, params))
 
         result = await self._upstream(name, ctx, run)
         if result.get("isError") or result.get("resultType") not in (None, "complete"):
+            self.settle_failed(name, workflow, params.name, arguments, result, step)
             return result  # not a completed step: a failure, or a round that asks for input first
-        step = await self.record(name, workflow, params.name, arguments, result)
+        step = await self.record(name, workflow, params.name, arguments, result, step)
         return stamped(result, workflow, step)
 
     def is_lifecycle(self, tool: object) -> bool:
         return self.settings.tools and tool in (FAIL_TOOL, COMPLETE_TOOL)
 
+    async def intend(
+        self, name: str, workflow: str, tool: str, arguments: dict[str, Any], meta: Any
+    ) -> tuple[str | None, dict[str, Any]]:
+        """Write the call's intent and wait for Redis to take it (issue 14), before the call is forwarded:
+        (its step, the `_meta` to add upstream: the forward key). (None, {}) with `[gateway] intents`
+        off. Raises `NotRecordable` when the intent cannot be written: the call must not go out."""
+        if not self.settings.intents:
+            return None, {}
+        step = self._next_step(tool)
+        key = dict(meta or {}).get(IDEMPOTENCY_META_KEY)
+        key = key if isinstance(key, str) and key else forward_key(workflow, step)
+        recovery, annotations = await self._declaration(name, workflow, step, tool)
+        intent = started_entry(workflow, step, name, tool, arguments, recovery, annotations, key=key)
+        await self.recorder.started(workflow, step, intent)
+        return step, {IDEMPOTENCY_META_KEY: key}
+
+    def settle_failed(
+        self, name: str, workflow: str, tool: str, arguments: dict[str, Any], result: dict[str, Any], step: str | None
+    ) -> None:
+        """An error answer settles the call's intent as nothing done; a round that asks for input leaves it open."""
+        if step is not None and result.get("isError"):
+            fields = step_entry(workflow, step, name, tool, arguments, result)
+            self.recorder.completed(workflow, step, fields, failed=True)
+
+    def _next_step(self, tool: str) -> str:
+        self._steps += 1
+        return step_id(self._steps, tool, self.instance)
+
     async def record(
-        self, name: str, workflow: str, tool: str, arguments: dict[str, Any], result: dict[str, Any]
+        self,
+        name: str,
+        workflow: str,
+        tool: str,
+        arguments: dict[str, Any],
+        result: dict[str, Any],
+        step: str | None = None,
     ) -> str:
         """Queue the step-completed of a call that succeeded; a step that cannot be recorded poisons its workflow."""
-        self._steps += 1
-        step = step_id(self._steps, tool, self.instance)
+        step = step or self._next_step(tool)
+        recovery, annotations = await self._declaration(name, workflow, step, tool)
+        try:
+            fields = step_entry(workflow, step, name, tool, arguments, result, recovery, annotations)
+        except ValueError as exc:
+            self.recorder.lose(workflow, f"step {step!r}: {exc}")
+            log.error("step not recordable", workflow=workflow, step=step, error=str(exc))
+            return step
+        self.recorder.completed(workflow, step, fields)
+        return step
+
+    async def _declaration(self, name: str, workflow: str, step: str, tool: str) -> tuple[Any, dict[str, Any] | None]:
+        """(recovery, annotations) as the step's events carry them: the overlay first, else the live listing."""
         recovery, annotations = self._recovery(name, tool), None
         try:
             declaration = (await self.sessions.tools(name)).get(tool)
@@ -265,14 +317,7 @@ class Gateway:
                 if recovery is not None and not isinstance(recovery, dict):
                     recovery = {"declared": recovery}  # kept visible; the coordinator plans it as unrecoverable
             annotations = {k: v for k, v in declaration.annotations.items() if k != "recovery"} or None
-        try:
-            fields = step_entry(workflow, step, name, tool, arguments, result, recovery, annotations)
-        except ValueError as exc:
-            self.recorder.lose(workflow, f"step {step!r}: {exc}")
-            log.error("step not recordable", workflow=workflow, step=step, error=str(exc))
-            return step
-        self.recorder.step(workflow, step, fields)
-        return step
+        return recovery, annotations
 
     async def _lifecycle(self, ctx: ServerRequestContext[Any, Any], params: Any) -> Any:
         workflow = self._workflow(ctx)
@@ -338,11 +383,12 @@ def stamped(result: dict[str, Any], workflow: str, step: str) -> dict[str, Any]:
     return {**result, "_meta": {**(result.get("_meta") or {}), WORKFLOW_META_KEY: workflow, STEP_META_KEY: step}}
 
 
-def _forwarded_params(params: Any) -> Any:
-    """The params as received, minus our workflow key and the client's progress token (the upstream gets its own)."""
+def _forwarded_params(params: Any, extra: dict[str, Any] | None = None) -> Any:
+    """The params as received, minus our workflow key and the client's progress token (the upstream gets its own),
+    plus `extra` (the call's forward key)."""
     if params is None:
         return None
-    meta = dict(params.meta or {})
+    meta = {**dict(params.meta or {}), **(extra or {})}
     meta.pop(WORKFLOW_META_KEY, None)
     meta.pop("progress_token", None)  # the validated meta holds the token under its Python name
     return params.model_copy(update={"meta": meta or None})

@@ -87,10 +87,35 @@ class Recorder:
         self._healthy = True
         return True
 
-    def step(self, workflow: str, step: str, fields: dict[bytes, bytes]) -> None:
+    async def started(self, workflow: str, step: str, fields: dict[bytes, bytes] | None) -> None:
+        """Write a call's intent (step-started) and wait for Redis to acknowledge it, before the call is forwarded.
+
+        Raises `NotRecordable` when it cannot be written: a call the coordinator would not know about
+        is not forwarded. `None` (an intent over the event cap) writes nothing: the call goes
+        unannounced, as without intents. Not chained behind the workflow's earlier step-completed
+        writes: the intent's own stream position is the step's place on the stack.
+        """
+        if fields is None:
+            log.warning("intent over the event cap; the call goes unannounced", workflow=workflow, step=step)
+            return
+        try:
+            await self.publisher.redis.xadd(self.publisher.stream_for(workflow), fields)  # type: ignore[arg-type]
+        except Exception as exc:
+            self._healthy = False
+            raise NotRecordable(
+                f"the gateway could not record the intent of this call ({type(exc).__name__}); it was not forwarded"
+            ) from exc
+        self._healthy = True
+
+    def completed(self, workflow: str, step: str, fields: dict[bytes, bytes], *, failed: bool = False) -> None:
+        """The call answered: its step-completed settles the intent (queued like any step). `failed`: an
+        `isError` answer, which settles the intent but is no completed step for `stepsCompleted`."""
+        self.step(workflow, step, fields, counted=not failed)
+
+    def step(self, workflow: str, step: str, fields: dict[bytes, bytes], *, counted: bool = True) -> None:
         """Queue a checked step-completed entry behind the workflow's earlier events."""
         state = self._state(workflow)
-        state.steps += 1
+        state.steps += counted
         state.tail = asyncio.create_task(self._write(workflow, step, fields, state.tail))
 
     async def _write(self, workflow: str, step: str, fields: dict[bytes, bytes], previous: Any) -> None:

@@ -25,8 +25,8 @@ import redis.asyncio as aioredis
 from mcp_saga.runtime import tracing
 from mcp_saga.runtime.connect import connect_async
 from mcp_saga.runtime.durability import Durability
-from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, clip, step_entry, workflow_failed
-from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
+from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, clip, started_entry, step_entry, workflow_failed
+from mcp_saga.runtime.recovery_wire import IDEMPOTENCY_META_KEY, ToolDeclaration, read_tool_declarations
 from mcp_saga.runtime.sentinel import is_sentinel_url, parse_sentinel_url, sentinel_url
 from mcp_saga.schemas.config import RedisSettings
 from mcp_saga.schemas.events import (
@@ -36,6 +36,7 @@ from mcp_saga.schemas.events import (
     check_step_id,
     check_workflow_id,
 )
+from mcp_saga.schemas.records import forward_key
 from mcp_saga.schemas.results import result_text as _text_of
 from redis import Redis as SyncRedis
 from redis.asyncio.retry import Retry
@@ -109,6 +110,11 @@ class Workflow:
     `redis` may be a `redis+sentinel://` URL (runtime/sentinel.py); with a config and no URL, its
     `[redis] sentinels` name the Redis. The config's `[redis] wait_replicas` makes each event count
     as written only once that many replicas confirmed it (runtime/durability.py).
+    `intents` (default on): before each call, a `step-started` with the call's forward key is
+    written and acknowledged by Redis, and the key goes to the server in the request `_meta`; so a
+    call whose answer never arrives (a timeout, a dropped connection, the agent killed) is known
+    to the coordinator as in doubt and settled in the unwind. Off, only completed calls are
+    recorded and such a call is never undone (the v1 behaviour), one Redis round trip less per call.
     """
 
     def __init__(
@@ -122,6 +128,7 @@ class Workflow:
         on_failure: OnFailure | None = None,
         prefix: str | None = None,
         settle_timeout: float = 30.0,
+        intents: bool = True,
     ) -> None:
         check_workflow_id(workflow_id)
         if on_failure is not None and on_failure not in get_args(OnFailure):
@@ -147,6 +154,7 @@ class Workflow:
         self.servers = dict(servers)
         self.config = config
         self.parallel, self.on_failure, self.settle_timeout = parallel, on_failure, settle_timeout
+        self.intents = intents
         self._redis, self._url = redis, url
         self._prefix = prefix or (config.prefix if config else "saga")
         self.publisher: AsyncPublisher | None = None
@@ -261,14 +269,25 @@ class Workflow:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inflight.add(done)
         span = tracing.call_span(self._span, server, tool, step_id)
+        announced = False
         try:
             try:
+                if self.intents:
+                    announced = await self._announce(step_id, server, tool, arguments, listing, tracing.wire_of(span))
+                if announced:
+                    meta = call_kwargs.pop("meta", None) or {}
+                    call_kwargs["meta"] = {**meta, IDEMPOTENCY_META_KEY: forward_key(self.id, step_id)}
                 with tracing.current(span):
                     result = await client.call_tool(tool, arguments, **call_kwargs)
                 if result.is_error:
+                    if announced:  # an answer, if an error one: the intent is settled as nothing done
+                        wire = result.model_dump(by_alias=True, mode="json", exclude_none=True)
+                        self._write(step_id, step_entry(self.id, step_id, server, tool, arguments, wire))
                     raise ToolCallFailed(server, tool, step_id, result)
             except BaseException as exc:
-                self._used.discard(step_id)  # never published: the caller may retry under the same id
+                # Never completed: the caller may retry under the same id, which sends the same forward
+                # key again, so a server that honours it does not repeat an effect that landed.
+                self._used.discard(step_id)
                 error = result_text(exc.result) if isinstance(exc, ToolCallFailed) else f"{type(exc).__name__}: {exc}"
                 self._failure = (exc, FailedStep(tool=tool, error=clip(error)))
                 tracing.end(span, error)
@@ -280,6 +299,50 @@ class Workflow:
         finally:
             self._inflight.discard(done)
             done.set_result(None)
+
+    async def _announce(
+        self,
+        step: str,
+        server: str,
+        tool: str,
+        arguments: dict[str, Any],
+        listing: asyncio.Future[dict[str, ToolDeclaration]],
+        trace: TraceContext | None,
+    ) -> bool:
+        """Write the call's intent and wait for Redis to acknowledge it; raise `StepNotRecorded` if it cannot.
+
+        False (nothing written) only for an intent over the event cap, which goes unannounced."""
+        assert self.publisher is not None
+        recovery, annotations = await self._declaration(server, tool, listing, step)
+        fields = started_entry(self.id, step, server, tool, arguments, recovery, annotations, trace)
+        if fields is None:
+            log.warning("step %r of workflow %r: intent over the event cap; the call goes unannounced", step, self.id)
+            return False
+        try:
+            await self.publisher.add(self.id, fields, f"intent of step {step!r} of {self.id!r}")
+        except Exception as exc:
+            raise StepNotRecorded(
+                f"the intent of step {step!r} of workflow {self.id!r} was not written; the call was not made: {exc!r}"
+            ) from exc
+        return True
+
+    async def _declaration(
+        self, server: str, tool: str, listing: asyncio.Future[dict[str, ToolDeclaration]], step: str
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """(recovery, annotations) as an event carries them: the overlay first, else the server's listing."""
+        recovery, annotations = None, None
+        try:
+            declaration = (await listing).get(tool)
+        except Exception as exc:  # the call committed: record it even without its declaration
+            log.warning("tools/list of %r failed (%r); step %r is published without its declaration", server, exc, step)
+            declaration = None
+        if declaration is not None:
+            recovery = declaration.recovery
+            if recovery is not None and not isinstance(recovery, dict):
+                # Not an object: keep it visible, in a shape the coordinator plans as unrecoverable.
+                recovery = {"declared": recovery}
+            annotations = {k: v for k, v in declaration.annotations.items() if k != "recovery"} or None
+        return self._overlay(server, tool) or recovery, annotations
 
     def _overlay(self, server: str, tool: str) -> dict[str, Any] | None:
         overlay = self.config.overlay(server, tool) if self.config is not None else None
@@ -295,19 +358,7 @@ class Workflow:
         listing: asyncio.Future[dict[str, ToolDeclaration]],
         trace: TraceContext | None = None,
     ) -> None:
-        recovery, annotations = None, None
-        try:
-            declaration = (await listing).get(tool)
-        except Exception as exc:  # the call committed: record it even without its declaration
-            log.warning("tools/list of %r failed (%r); step %r is published without its declaration", server, exc, step)
-            declaration = None
-        if declaration is not None:
-            recovery = declaration.recovery
-            if recovery is not None and not isinstance(recovery, dict):
-                # Not an object: keep it visible, in a shape the coordinator plans as unrecoverable.
-                recovery = {"declared": recovery}
-            annotations = {k: v for k, v in declaration.annotations.items() if k != "recovery"} or None
-        recovery = self._overlay(server, tool) or recovery
+        recovery, annotations = await self._declaration(server, tool, listing, step)
         wire = result.model_dump(by_alias=True, mode="json", exclude_none=True)
         # The agent keeps the whole result; over the cap, the event keeps what undoing needs (fit_step).
         self._write(step, step_entry(self.id, step, server, tool, arguments, wire, recovery, annotations, trace))

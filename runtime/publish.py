@@ -24,6 +24,7 @@ from mcp_saga.schemas.events import (
     FailedStep,
     Payload,
     StepCompleted,
+    StepStarted,
     TraceContext,
     WorkflowCompleted,
     WorkflowFailed,
@@ -40,6 +41,7 @@ from mcp_saga.schemas.expressions import (
 )
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.pointer import format_pointer
+from mcp_saga.schemas.records import forward_key
 from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 from pydantic import BaseModel
 
@@ -228,6 +230,43 @@ def step_entry(
     payload, cut = fit_step(payload)
     if cut is not None:
         log.warning("workflow %r: %s", workflow, cut)
+    return checked_entry(workflow, payload)
+
+
+def started_entry(
+    workflow: str,
+    step: str,
+    server: str,
+    tool: str,
+    arguments: Mapping[str, Any] | None,
+    recovery: Mapping[str, Any] | None = None,
+    annotations: Mapping[str, Any] | None = None,
+    trace: TraceContext | None = None,
+    key: str | None = None,
+) -> dict[bytes, bytes] | None:
+    """The checked entry of a step-started, with the forward key of (workflow, step) unless `key` is given
+    (a client's own idempotency key for the call, which the server will see).
+
+    None when the intent is over the size cap: it is not cut as a step-completed is, because a
+    recall must send exactly the arguments of the call, so such a call goes unannounced (the
+    behaviour without intents) and the caller logs it.
+    """
+    payload = StepStarted(
+        step=step,
+        server=server,
+        tool=tool,
+        forward_key=key or forward_key(workflow, step),
+        arguments=dict(arguments or {}),
+        recovery=wire(recovery),
+        annotations=dict(annotations) if annotations else None,
+        started_at=utc_now(),
+        trace=trace,
+    )
+    try:
+        if len(_encode(payload)) > MAX_DATA_BYTES:
+            return None
+    except ValueError:
+        pass  # checked_entry says why
     return checked_entry(workflow, payload)
 
 

@@ -102,6 +102,8 @@ def check_redis(redis: Redis, *, allow_eviction: bool, log: Any) -> RedisFacts:
 
 
 # Conditions that heal: a process waits them out (acknowledging nothing), it never exits on them.
+# Longest pause between two tries while Redis refuses writes (OOM, read-only replica, failed persistence).
+MAX_REFUSAL_BACKOFF = 5.0
 SCRIPT_ERROR = re.compile(r"Error running script .*?@user_script: ?\d+: -([A-Z]+) ")
 # NOREPLICAS: `min-replicas-to-write` refused a write, or a WAIT fell short (runtime/durability.py).
 HEALING = (

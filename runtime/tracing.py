@@ -39,10 +39,14 @@ from mcp_saga.schemas.events import Report, StepCompleted, TraceContext
 if TYPE_CHECKING:
     from mcp_saga.schemas.records import CompensationJob
 
-TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+TRACEPARENT = re.compile(
+    r"^(?P<version>[0-9a-f]{2})-(?P<trace>[0-9a-f]{32})-(?P<span>[0-9a-f]{16})-(?P<flags>[0-9a-f]{2})$"
+)
 INSTRUMENTATION = "mcp_saga"
+# The MCP SDK's own tracer (mcp/shared/_otel.py), which spans every request a client sends.
+MCP_SDK_TRACER = "mcp-python-sdk"
 _ON_VALUES = {"otlp", "console"}
-_state: dict[str, Any] = {"on": None}
+_state: dict[str, Any] = {"on": None, "tracer": None, "quiet": frozenset()}
 
 
 # Trace ids of recent workflows, for log lines --------------------------------------------------
@@ -59,7 +63,7 @@ def remember(workflow: str, carrier: Mapping[str, str] | TraceContext | None) ->
     if match is None:
         return
     with _recent_lock:
-        _recent[workflow] = match.group(1)
+        _recent[workflow] = match.group("trace")
         _recent.move_to_end(workflow)
         if len(_recent) > _RECENT_MAX:
             _recent.popitem(last=False)
@@ -83,7 +87,12 @@ def wanted(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def setup(component: str) -> bool:
-    """Install a tracer provider from the environment when it asks for one; True when tracing is on."""
+    """Install a tracer provider from the environment when it asks for one; True when tracing is on.
+
+    In the worker, the attempt's span is the client span of its `tools/call` (the server continues
+    it from `_meta`), so the MCP SDK's own span of each request is left out there: it doubled the
+    spans of an attempt, and made a trace of its own of every `tools/list` a worker sends.
+    """
     if _state["on"] is not None:
         return _state["on"]
     if not wanted():
@@ -98,12 +107,20 @@ def setup(component: str) -> bool:
         sys.stderr.write("OTEL_* asks for traces but OpenTelemetry is not installed: pip install 'mcp-saga[tracing]'\n")
         _state["on"] = False
         return False
+    quiet = frozenset({MCP_SDK_TRACER} if component == "worker" else ())
+
+    class Provider(TracerProvider):
+        def get_tracer(self, instrumenting_module_name: str, *args: Any, **kwargs: Any) -> Any:
+            if instrumenting_module_name in quiet:
+                return trace.NoOpTracer()  # hands on the current context, records nothing
+            return super().get_tracer(instrumenting_module_name, *args, **kwargs)
+
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"saga-{component}"})
-    provider = TracerProvider(resource=resource)
+    provider = Provider(resource=resource)
     for exporter in _exporters():
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
-    _state["on"] = True
+    _state.update(on=True, quiet=quiet)
     return True
 
 
@@ -145,16 +162,63 @@ def shutdown() -> None:
 # Spans ----------------------------------------------------------------------------------------
 
 
-def _tracer() -> Any:
+def _provided() -> tuple[Any, Any, bool]:
+    """(provider, this package's tracer, whether its sampler drops unsampled remote parents), made
+    once per provider: the SDK builds a new tracer (and its scope) on every `get_tracer`."""
     from opentelemetry import trace
 
-    return trace.get_tracer(INSTRUMENTATION)
+    provider = trace.get_tracer_provider()
+    cached = _state["tracer"]
+    if cached is None or cached[0] is not provider:
+        sampler = getattr(provider, "sampler", None)
+        drops = sampler is not None and "remoteParentNotSampled:AlwaysOffSampler" in sampler.get_description()
+        cached = _state["tracer"] = (provider, provider.get_tracer(INSTRUMENTATION), drops)
+    return cached
+
+
+def _tracer() -> Any:
+    return _provided()[1]
 
 
 def _parent(carrier: Mapping[str, str] | None) -> Any:
-    from opentelemetry.propagate import extract
+    """The context a carrier names, read here: the global propagator (trace context and baggage
+    behind a composite) cost as much as the span itself. Anything unusual goes to the propagator."""
+    if not carrier:
+        return None
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
-    return extract(dict(carrier)) if carrier else None
+    match = TRACEPARENT.match(carrier.get("traceparent") or "")
+    if match is None or match["version"] != "00":
+        from opentelemetry.propagate import extract
+
+        return extract(dict(carrier))
+    state = carrier.get("tracestate")
+    context = SpanContext(
+        int(match["trace"], 16),
+        int(match["span"], 16),
+        is_remote=True,
+        trace_flags=TraceFlags(int(match["flags"], 16)),
+        trace_state=TraceState.from_header([state]) if state else None,
+    )
+    if not context.is_valid:  # all-zero ids: a fresh trace, as the propagator would start
+        from opentelemetry.context import Context
+
+        return Context()
+    return trace.set_span_in_context(NonRecordingSpan(context))
+
+
+def records(carrier: Mapping[str, str]) -> bool:
+    """Whether a span continuing this carrier would be recorded here.
+
+    A parent the agent's sampler left out (flags 00) is dropped by the default sampler
+    (ParentBased); the span would then be a placeholder with a new id that nobody sees, so the
+    carrier is handed on as it is and no span is made at all.
+    """
+    match = TRACEPARENT.match(carrier.get("traceparent") or "")
+    if match is None or int(match["flags"], 16) & 1:
+        return True
+    return not _provided()[2]
 
 
 def carrier_of(span: Any) -> dict[str, str]:
@@ -213,16 +277,42 @@ def fail(span: Any, description: str) -> None:
 # The coordinator ------------------------------------------------------------------------------
 
 
-def event_traces(groups: Mapping[str, Iterable[tuple[Any, Any]]]) -> dict[str, dict[str, str]]:
+class BatchTraces(dict[str, dict[str, str]]):
+    """Per workflow of a batch, the context of its last event other than a step that carried one;
+    and apart, in `steps`, the last step's (unchecked until used)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: dict[str, TraceContext] = {}
+
+    def for_jobs(self, workflow: str) -> dict[str, str] | None:
+        """The context a transition that dispatches jobs continues: its event's, else its last step's.
+
+        A failure that arrives before the steps it announced waits for them (the barrier); when the
+        step that completes the barrier is handled by another coordinator than the failure, that
+        batch holds only the step, and without it the jobs, and every span after them, lost the trace.
+        """
+        carrier = self.get(workflow)
+        if carrier is None and workflow in self.steps:
+            carrier = from_wire(self.steps[workflow])
+            if carrier is not None:
+                remember(workflow, carrier)
+        return carrier
+
+
+def event_traces(groups: Mapping[str, Iterable[tuple[Any, Any]]]) -> BatchTraces:
     """Per workflow of a batch, the context of its last event (other than a step) that carried one.
 
-    Steps are left out: most events are steps of running workflows, which no transition span
-    follows (see `transitions`), and looking at each would cost ingest a few per cent.
+    Steps are only noted (their context is read only for a transition that dispatches jobs, see
+    `BatchTraces.for_jobs`): most events are steps of running workflows, which no transition span
+    follows (see `transitions`), and checking each would cost ingest a few per cent.
     """
-    found: dict[str, dict[str, str]] = {}
+    found = BatchTraces()
     for workflow, items in groups.items():
         for event, _ in items:
             if type(event.data) is StepCompleted:
+                if event.data.trace is not None:
+                    found.steps[workflow] = event.data.trace
                 continue
             carrier = from_wire(getattr(event.data, "trace", None))
             if carrier is not None:
@@ -239,11 +329,13 @@ def transitions(views: Iterable[Any], traces: Mapping[str, dict[str, str]], star
     workflow is not a transition worth a span (the agent's call span already shows it) and
     never reaches here: those steps take the coordinator's fast path.
     """
-    if not traces:
+    if not traces and not getattr(traces, "steps", None):
         return
     on = active()
     for view in views:
         carrier = traces.get(view.workflow)
+        if carrier is None and view.jobs and isinstance(traces, BatchTraces):
+            carrier = traces.for_jobs(view.workflow)
         if carrier is None:
             continue
         if on:
@@ -281,10 +373,11 @@ class Attempt:
         self.carrier = dict(job.trace) if job.trace and TRACEPARENT.match(job.trace.get("traceparent", "")) else {}
         if self.carrier:
             remember(job.workflow, self.carrier)
-        if self.carrier and active():
+        if self.carrier and active() and records(self.carrier):
             self.span = start_span(
                 f"saga compensation {job.operation_id}",
                 self.carrier,
+                kind="CLIENT",  # the span of the tools/call itself: the server continues it from `_meta`
                 **{
                     "saga.workflow": job.workflow,
                     "saga.step": job.step,
@@ -301,10 +394,9 @@ class Attempt:
     def outcome(self, report: Report) -> None:
         if self.span is None:
             return
-        self.span.set_attribute("saga.attempt", report.attempt)
-        self.span.set_attribute("saga.outcome", report.TYPE)
+        self.span.set_attributes({"saga.attempt": report.attempt, "saga.outcome": report.TYPE})
         error = getattr(report, "error", None) or getattr(report, "reason", None)
-        if report.TYPE != "compensation-succeeded":
+        if report.TYPE not in ("compensation-succeeded", "recall-succeeded"):
             fail(self.span, error or report.TYPE)
 
     def end(self) -> None:
@@ -356,8 +448,11 @@ def current(span: Any) -> Iterator[None]:
 @contextmanager
 def continued(carrier: Mapping[str, Any] | None) -> Iterator[None]:
     """The context a carrier (a request `_meta`) names, as the current one: the worker's call runs
-    on the session pool's event loop, where the attempt's span is not current by itself."""
-    if not carrier or not isinstance(carrier.get("traceparent"), str):
+    on the session pool's event loop, where the attempt's span is not current by itself.
+
+    Not needed where the MCP SDK's spans are left out (the worker): the carrier is already in
+    `_meta`, and the SDK adds nothing to it when no span is current."""
+    if not carrier or not isinstance(carrier.get("traceparent"), str) or MCP_SDK_TRACER in _state["quiet"]:
         yield
         return
     from opentelemetry import context

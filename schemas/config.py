@@ -40,6 +40,9 @@ class ServerConfig(_Strict):
     # Operator-declared recovery for tools whose server does not declare SEP-3172 (tool -> recovery),
     # validated once here so a bad overlay stops start-up with its full path.
     recovery: dict[str, Recovery] = Field(default_factory=dict)
+    # Tools the operator declares idempotent under the forward key (as `idempotentHint: true`
+    # would): an in-doubt step of one is settled by calling it again with that key.
+    idempotent: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _one_transport(self) -> ServerConfig:
@@ -121,6 +124,9 @@ class CoordinatorSettings(_Strict):
     retention_compensated: int = Field(default=7 * 86_400, ge=1)
     retention_attention: int = Field(default=30 * 86_400, ge=1)
     idle_ttl: int = Field(default=7 * 86_400, ge=1)
+    # Seconds a running workflow with a started, unsettled step may go without any event before
+    # the coordinator fails it ("its agent went away mid-call") and settles the step as in doubt.
+    in_doubt_after: float = Field(default=3600.0, gt=0)
     outcomes_maxlen: int = Field(default=100_000, ge=100)
     dead_letter_maxlen: int = Field(default=100_000, ge=100)
 
@@ -184,6 +190,9 @@ class GatewaySettings(_Strict):
     idle_timeout: float = Field(default=3600.0, gt=0, description="seconds without a call before on_idle applies")
     # A step whose XADD fails is retried this long before its workflow refuses further calls.
     publish_retry_for: float = Field(default=10.0, ge=0)
+    # Write each call's intent (step-started) and have Redis acknowledge it before forwarding, so
+    # that a call whose answer is lost is settled in the unwind; off saves that round trip per call.
+    intents: bool = True
 
     @model_validator(mode="after")
     def _anonymous_on_loopback(self) -> GatewaySettings:
@@ -333,6 +342,11 @@ class Config(_Strict):
                 )
         return found
 
+    def declared_idempotent(self, server: str, tool: str) -> bool:
+        """Whether the operator declared the tool idempotent under its forward key."""
+        entry = self.servers.get(server)
+        return entry is not None and tool in entry.idempotent
+
     def keys(self) -> Keys:
         """The key names of this deployment (prefix and partition count)."""
         return Keys(self.prefix, self.redis.partitions)
@@ -369,6 +383,11 @@ def guarantee_problems(config: Config) -> tuple[list[str], list[str]]:
             f"coordinator.watchdog_after ({c.watchdog_after:g} s) must be longer than the longest wait between "
             f"two attempts (worker.backoff_max x (1 + jitter) = {gap:g} s): while a retry waits no report "
             "comes and no lease is held, so the watchdog would dispatch again a compensation that is merely waiting"
+        )
+    if c.in_doubt_after >= c.idle_ttl:
+        warnings.append(
+            f"coordinator.in_doubt_after ({c.in_doubt_after:g} s) must be shorter than coordinator.idle_ttl "
+            f"({c.idle_ttl} s): a workflow whose agent died mid-call would expire before its in-doubt step is settled"
         )
     slowest = max((s.timeout for s in config.servers.values()), default=0.0)
     if slowest and w.job_timeout <= slowest:

@@ -16,6 +16,12 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 WIRE_VERSION = 1
+# Revisions of the contract within wire version 1: each only adds (an event type, an optional
+# field), so an entry valid under an older revision is valid under every later one. The exported
+# JSON Schemas carry the revision a type was added in; a coordinator older than that revision
+# dead-letters the type as unknown. Revision 2 added the intent and the in-doubt settling.
+CONTRACT_REVISION = 2
+ADDED_IN_REVISION: dict[str, int] = {"step-started": 2, "recall-succeeded": 2, "recall-failed": 2}
 # A documented cap: an entry's `data` larger than this is dead-lettered, which keeps one hostile
 # publisher from making the coordinator hold megabytes per step.
 MAX_DATA_BYTES = 256 * 1024
@@ -108,6 +114,28 @@ class StepCompleted(Wire):
     trace: TraceContext | None = None  # the agent's span of this call (optional; older readers ignore it)
 
 
+class StepStarted(Wire):
+    """The intent, written (and acknowledged by Redis) before a tool call is forwarded.
+
+    A started step that no `step-completed` of the same id settles is *in doubt*: the call may
+    or may not have taken effect. `forward_key` is the call's idempotency key, sent to the server
+    in the request `_meta` (`records.forward_key` defines it); it lets a worker ask an idempotent
+    tool for the result of that very call instead of guessing. A publisher that never sends this
+    event keeps the behaviour of wire v1 without it: only completed steps are recorded.
+    """
+
+    TYPE: ClassVar[str] = "step-started"
+    step: StepId
+    server: Name
+    tool: Name
+    forward_key: Annotated[str, Meta(min_length=1, max_length=200)]
+    arguments: dict[str, Any] = field(default_factory=dict)
+    recovery: dict[str, Any] | None = None
+    annotations: dict[str, Any] | None = None
+    started_at: str | float | None = None
+    trace: TraceContext | None = None
+
+
 class WorkflowFailed(Wire):
     TYPE: ClassVar[str] = "workflow-failed"
     reason: Text = ""
@@ -160,6 +188,22 @@ class CompensationRefused(Report):
     reason: Text = ""
 
 
+class RecallSucceeded(Report):
+    """The original tool of an in-doubt step answered a re-call with its forward key: `result` is
+    what the first call did (or, when it never ran, what this call did), possibly `isError`."""
+
+    TYPE: ClassVar[str] = "recall-succeeded"
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+class RecallFailed(Report):
+    """A re-call of an in-doubt step's tool got no answer (transport error, timeout) or was refused."""
+
+    TYPE: ClassVar[str] = "recall-failed"
+    error: Text = ""
+    retryable: bool = False
+
+
 class OperatorCommand(Wire):
     step: StepId | None = None
     by: Annotated[str, Meta(max_length=BY_MAX)] = "operator"
@@ -184,11 +228,14 @@ class OperatorApprove(OperatorCommand):
 
 Payload = (
     StepCompleted
+    | StepStarted
     | WorkflowFailed
     | WorkflowCompleted
     | CompensationSucceeded
     | CompensationFailed
     | CompensationRefused
+    | RecallSucceeded
+    | RecallFailed
     | OperatorRetry
     | OperatorResolve
     | OperatorSkip
@@ -198,11 +245,14 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
     cls.TYPE: cls
     for cls in (
         StepCompleted,
+        StepStarted,
         WorkflowFailed,
         WorkflowCompleted,
         CompensationSucceeded,
         CompensationFailed,
         CompensationRefused,
+        RecallSucceeded,
+        RecallFailed,
         OperatorRetry,
         OperatorResolve,
         OperatorSkip,

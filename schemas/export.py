@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from mcp_saga.schemas.events import PAYLOAD_TYPES
+from mcp_saga.schemas.events import ADDED_IN_REVISION, CONTRACT_REVISION, PAYLOAD_TYPES, WIRE_VERSION
 from mcp_saga.schemas.records import Compensation, CompensationJob
 from mcp_saga.schemas.recovery import Recovery
 
@@ -25,6 +25,11 @@ def schemas() -> dict[str, dict[str, Any]]:
     for name, payload in PAYLOAD_TYPES.items():
         schema = msgspec.json.schema(payload)
         schema["title"] = f"saga:events entry `data` for type={name}"
+        schema["x-saga-wire"] = {
+            "version": WIRE_VERSION,
+            "revision": CONTRACT_REVISION,
+            "addedInRevision": ADDED_IN_REVISION.get(name, 1),
+        }
         found[f"event-{name}.json"] = schema
     recovery = Recovery.model_json_schema(by_alias=True)
     recovery["title"] = "SEP-3172 ToolAnnotations.recovery"

@@ -21,7 +21,9 @@ COMMANDS: dict[str, type[OperatorCommand]] = {
     "skip": OperatorSkip,
     "approve": OperatorApprove,
 }
-RETRYABLE = ("failed", "awaiting-approval", "unrecoverable")
+# An in-doubt step is retried as a re-call of its tool with the forward key: the operator knows
+# (and has declared, e.g. `idempotent = [...]` in the config) that the tool honours the key.
+RETRYABLE = ("failed", "awaiting-approval", "unrecoverable", "in-doubt")
 # Record statuses in which resolve / skip would change nothing.
 FINAL_FOR = {"resolve": ("succeeded", "resolved"), "skip": ("succeeded", "resolved", "skipped")}
 
@@ -35,7 +37,10 @@ def operator_refusal(command: str, comp: Compensation) -> str | None:
     step, status = comp.step, comp.status
     if command == "retry":
         if status not in RETRYABLE:
-            return f"step {step!r} is {status}; retry applies to a failed, awaiting-approval or unrecoverable step"
+            return (
+                f"step {step!r} is {status}; retry applies to a failed, awaiting-approval, unrecoverable "
+                "or in-doubt step"
+            )
         if comp.operation_id is None or comp.arguments is None:
             why = f" ({comp.reason})" if comp.reason else ""
             return f"step {step!r} has no usable compensation to retry{why}; resolve or skip it instead"

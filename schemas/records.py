@@ -25,12 +25,19 @@ CompStatus = Literal[
     "unrecoverable",
     "awaiting-approval",
     "resolved",
+    "started",
+    "in-doubt",
 ]
+JobKind = Literal["compensation", "recall"]
 WORKFLOW_STATUSES: tuple[str, ...] = get_args(WorkflowStatus)
 COMP_STATUSES: tuple[str, ...] = get_args(CompStatus)
 # A compensation in one of these states needs nothing more from the coordinator.
 SETTLED: frozenset[str] = frozenset({"succeeded", "skipped", "unrecoverable", "resolved"})
 IN_FLIGHT: frozenset[str] = frozenset({"queued", "running"})
+# A step whose call was announced (step-started) and not yet settled: its outcome is unknown.
+# `started` while the workflow runs (the call may still answer), `in-doubt` once the workflow is
+# unwinding and nothing can settle it automatically (an operator must).
+OPEN: frozenset[str] = frozenset({"started", "in-doubt"})
 # Workflow statuses after which new step events are late.
 UNWINDING: frozenset[str] = frozenset({"failed", "compensating", "compensated", "needs-attention"})
 
@@ -102,6 +109,21 @@ class Compensation(Struct, rename="camel", omit_defaults=False):
     # Attempts used since the plan or the last operator retry, across dispatches: a re-dispatch by
     # the watchdog continues this budget instead of starting a fresh one.
     spent: int = 0
+    # The forward call's idempotency key, for a step recorded from its intent (step-started).
+    forward_key: str | None = None
+    # Whether the step was ever in doubt (its workflow unwound before its outcome was known).
+    in_doubt: bool = False
+    # A started step whose step-completed has not arrived: not counted as completed by the barrier.
+    open_intent: bool = False
+    # An intent settled by an `isError` answer: a failed call, which `stepsCompleted` does not count.
+    failed_call: bool = False
+    # What a dispatch of this record does: undo the step, or (for an in-doubt step of an
+    # idempotent tool) call the original tool again with its forward key to learn its result.
+    kind: JobKind = "compensation"
+    # For a started step: the status its plan takes if the workflow unwinds before the step is
+    # settled, and the recovery declaration its intent carried (a recall's result is planned with it).
+    if_in_doubt: CompStatus | None = None
+    recovery: dict[str, Any] | None = None
 
 
 class CompensationJob(Struct, rename="camel", frozen=True):
@@ -125,6 +147,9 @@ class CompensationJob(Struct, rename="camel", frozen=True):
     attempts_used: int = 0
     # W3C trace context (`traceparent`, `tracestate`) of the transition that dispatched this job.
     trace: dict[str, str] | None = None
+    # `recall`: `operation_id` is the step's own tool, `arguments` its original arguments and
+    # `idempotency_key` its forward key; the worker reports recall-succeeded / recall-failed.
+    kind: JobKind = "compensation"
 
     @property
     def job_id(self) -> str:
@@ -135,6 +160,15 @@ class CompensationJob(Struct, rename="camel", frozen=True):
 def idempotency_key(workflow: str, step: str, operation_id: str) -> str:
     """The one key of a compensation: stable across retries, redeliveries, restarts and processes."""
     return "saga:" + _digest("\x1f".join((workflow, step, operation_id)), 32)
+
+
+def forward_key(workflow: str, step: str) -> str:
+    """The idempotency key of a step's forward call: derivable by any publisher from the two ids.
+
+    It travels in the call's request `_meta` under `IDEMPOTENCY_META_KEY`, the same key as a
+    compensation's, so a server honours both with one rule; the `fwd` prefix keeps the two apart.
+    """
+    return "saga:fwd:" + _digest("\x1f".join((workflow, step)), 32)
 
 
 def arguments_digest(arguments: dict[str, Any] | None) -> str:

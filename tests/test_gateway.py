@@ -116,10 +116,13 @@ async def connect(url: str, headers: dict[str, str] | None = None, **kwargs: Any
 
 
 def steps_of(world: World, workflow: str, count: int = 0) -> list[StepCompleted]:
-    """The workflow's step stack as the coordinator recorded it (it trims saga:events once consumed)."""
+    """The workflow's completed steps as the coordinator recorded them (it trims saga:events once consumed);
+    not the calls that answered with an error, whose intents the stack also holds (settled: nothing done)."""
 
     def read() -> list[StepCompleted]:
-        return [msgspec.json.decode(raw, type=StepCompleted) for raw in world.r.lrange(K.steps(workflow), 0, -1)]
+        stack = [msgspec.json.decode(raw) for raw in world.r.lrange(K.steps(workflow), 0, -1)]
+        done = [msgspec.convert(e, StepCompleted) for e in stack if "result" in e]
+        return [s for s in done if not s.result.get("isError")]
 
     wait_for(lambda: len(read()) >= count, timeout=30, what=f"{count} steps of {workflow}")
     return read()
@@ -409,7 +412,8 @@ async def _refused_while_down(url: str, store: subprocess.Popen[bytes], command:
             steps = [
                 decode_entry(i.decode(), f).data for i, f in redis.Redis(port=int(command[2])).xrange(Keys().events)
             ]
-            assert [s.arguments["orderId"] for s in steps if getattr(s, "tool", None) == "charge_payment"] == ["after"]
+            charges = [s for s in steps if isinstance(s, StepCompleted) and s.tool == "charge_payment"]
+            assert [s.arguments["orderId"] for s in charges] == ["after"]
         finally:
             stop(revived)
 

@@ -10,9 +10,10 @@ from mcp_saga.gateway.app import BearerAuth, gateway_token
 from mcp_saga.gateway.identity import NoWorkflow, resolve_workflow, session_workflow
 from mcp_saga.gateway.proxy import step_id
 from mcp_saga.gateway.recorder import NotRecordable, Recorder
-from mcp_saga.runtime.publish import step_entry
+from mcp_saga.runtime.publish import started_entry, step_entry
 from mcp_saga.schemas.config import ConfigError, parse_config
 from mcp_saga.schemas.events import STEP_ID, WORKFLOW_META_KEY, check_workflow_id, decode_entry
+from mcp_saga.schemas.records import forward_key
 
 
 def test_identity_order_is_meta_then_header_then_session() -> None:
@@ -164,3 +165,31 @@ def test_idle_workflows_get_the_policy_once_and_are_forgotten() -> None:
         by_workflow.setdefault(event.workflow, []).append(event.type)
     assert by_workflow == {"idle-wf": ["step-completed", "workflow-failed"], "ended-wf": ["workflow-completed"]}
     assert added[-1].data.steps_completed == 1 and "idle" in added[-1].data.reason
+
+
+def test_an_intent_is_written_before_the_call_and_an_error_answer_is_no_completed_step() -> None:
+    async def run() -> tuple[FlakyRedis, Recorder]:
+        redis = FlakyRedis(failures=0)
+        recorder = Recorder(redis)  # type: ignore[arg-type]
+        intent = started_entry("wf", "a", "payments", "charge_payment", {"n": 1})
+        await recorder.started("wf", "a", intent)
+        assert len(redis.added) == 1  # acknowledged before started() returned: before the call goes out
+        error = step_entry("wf", "a", "payments", "charge_payment", {"n": 1}, {"isError": True, "content": []})
+        recorder.completed("wf", "a", error, failed=True)
+        await recorder.fail("wf", "the call failed")
+        return redis, recorder
+
+    redis, _ = asyncio.run(run())
+    started, settled, failed = (decode_entry("0-0", f) for f in redis.added)
+    assert (started.type, started.data.forward_key) == ("step-started", forward_key("wf", "a"))
+    assert settled.data.result["isError"] is True
+    assert failed.data.steps_completed == 0  # the failed call is not a completed step
+
+
+def test_an_intent_redis_refuses_refuses_the_call() -> None:
+    async def run() -> None:
+        recorder = Recorder(FlakyRedis(failures=1))  # type: ignore[arg-type]
+        with pytest.raises(NotRecordable, match="it was not forwarded"):
+            await recorder.started("wf", "a", started_entry("wf", "a", "payments", "charge_payment", {}))
+
+    asyncio.run(run())

@@ -10,7 +10,10 @@ Invariants, after every rule: at most one compensation in flight (LIFO mode); no
 succeed in reverse stream order (while no operator changed the plan); once follow-ups are applied,
 the workflow's index entry names its status and only it; no attempt is counted twice;
 `compensated` only when every step is succeeded, skipped or resolved; a stale dispatch's failure
-never changes a record.
+never changes a record. With intents (step-started, issue 14): a compensation is only ever
+dispatched with arguments resolved from a real result (the step's own, or a recall's), never
+guessed; a recall re-sends exactly the intent's arguments and forward key; a workflow is never
+`compensated` while a step is in doubt.
 
 Bounded for CI; `HYPOTHESIS_PROFILE=nightly` runs it much longer (see README, Testing).
 """
@@ -37,13 +40,16 @@ from mcp_saga.schemas.events import (
     OperatorResolve,
     OperatorRetry,
     OperatorSkip,
+    RecallFailed,
+    RecallSucceeded,
     StepCompleted,
+    StepStarted,
     WorkflowCompleted,
     WorkflowFailed,
     encode_payload,
 )
 from mcp_saga.schemas.keys import STATUSES, Keys
-from mcp_saga.schemas.records import IN_FLIGHT, CompensationJob
+from mcp_saga.schemas.records import IN_FLIGHT, CompensationJob, forward_key
 
 WF = "wf"
 STEPS = "abcde"
@@ -103,6 +109,19 @@ class Protocol(RuleBasedStateMachine):
         result = {"structuredContent": {"id": f"id-{name}"}}
         self.publish(StepCompleted(step=name, server="svc", tool="do", result=result, recovery=RECOVERY))
 
+    @rule(name=st.sampled_from(STEPS), idempotent=st.booleans())
+    def intent(self, name: str, idempotent: bool) -> None:
+        """A call announced before it is made; its step-completed (the `step` rule) may never come."""
+        annotations = {"idempotentHint": True} if idempotent else None
+        key = forward_key(WF, name)
+        arguments = {"n": name}
+        self.publish(
+            StepStarted(
+                step=name, server="svc", tool="do", forward_key=key, arguments=arguments, recovery=RECOVERY,
+                annotations=annotations,
+            )
+        )
+
     @rule(announced=st.none() | st.integers(0, len(STEPS)))
     def failure(self, announced: int | None) -> None:
         self.publish(WorkflowFailed(reason="boom", steps_completed=announced))
@@ -122,6 +141,14 @@ class Protocol(RuleBasedStateMachine):
         job = self.jobs[pick % len(self.jobs)]  # any dispatch ever made, stale ones too
         common = {"step": job.step, "dispatch": job.dispatch, "attempt": attempt}
         self.reports.setdefault(job.step, set()).add((job.dispatch, attempt))
+        if job.kind == "recall":
+            if kind == "ok":
+                self.publish(RecallSucceeded(**common, result={"structuredContent": {"id": f"id-{job.step}"}}))
+            elif kind == "refused":
+                self.publish(RecallSucceeded(**common, result={"isError": True, "content": []}))
+            else:
+                self.publish(RecallFailed(**common, final=kind == "final", retryable=kind == "retry", error="x"))
+            return
         if kind == "ok":
             self.publish(CompensationSucceeded(**common))
         elif kind == "refused":
@@ -153,7 +180,7 @@ class Protocol(RuleBasedStateMachine):
         event = self.stream[pick % len(self.stream)]
         data = event.data
         stale = (
-            isinstance(data, CompensationFailed | CompensationRefused)
+            isinstance(data, CompensationFailed | CompensationRefused | RecallFailed)
             and data.step in view.comps
             and data.dispatch < view.comps[data.step].dispatch
         )
@@ -245,6 +272,15 @@ class Protocol(RuleBasedStateMachine):
         found = self.reader.records(WF)
         for comp in (found[1] if found else {}).values():
             assert comp.attempts <= len(self.reports.get(comp.step, ())), comp
+
+    @invariant()
+    def never_guessed(self) -> None:
+        for job in self.jobs:
+            if job.kind == "compensation":
+                assert job.arguments == {"id": f"id-{job.step}"}, job
+            else:
+                assert (job.operation_id, job.arguments) == ("do", {"n": job.step}), job
+                assert job.idempotency_key == forward_key(WF, job.step), job
 
     @invariant()
     def compensated_means_undone(self) -> None:

@@ -90,6 +90,7 @@ class Run:
                 "parent": f"{s.parent.span_id:016x}" if s.parent else None,
                 "attributes": dict(s.attributes or {}),
                 "service": "agent",
+                "kind": str(s.kind),
                 "error": s.status.status_code.name == "ERROR",
             }
             for s in self.agent_spans
@@ -105,6 +106,7 @@ class Run:
                         "parent": s["parent_id"].removeprefix("0x") if s.get("parent_id") else None,
                         "attributes": s.get("attributes", {}),
                         "service": s["resource"]["attributes"]["service.name"],
+                        "kind": s.get("kind"),
                         "error": s["status"]["status_code"] == "ERROR",
                     }
                 )
@@ -237,7 +239,9 @@ def _answers(url: str) -> bool:
 
 def test_counters_of_the_coordinators_add_up_to_what_happened(run: Run) -> None:
     c = run.coordinators
-    assert run.total(c, "saga_events_consumed_total", type="step-completed") == 7
+    # Eight calls, each announced; seven completed, and the error answer of the eighth settles its intent.
+    assert run.total(c, "saga_events_consumed_total", type="step-started") == 8
+    assert run.total(c, "saga_events_consumed_total", type="step-completed") == 8
     assert run.total(c, "saga_events_consumed_total", type="workflow-failed") == 2
     assert run.total(c, "saga_events_consumed_total", type="workflow-completed") == 2  # one of them is malformed
     assert run.total(c, "saga_events_consumed_total", type="invalid") == 1
@@ -312,14 +316,17 @@ def test_one_trace_runs_from_the_agent_call_to_each_compensation_at_the_server(r
     for span in compensations:  # each attempt continues the transition that dispatched it
         assert mine[span["parent"]]["name"] == "saga transition"
         assert span["attributes"]["saga.workflow"] == "obs-traced"
-    # The compensating tools/call carried the trace in its request `_meta`: the MCP SDK's client span,
-    # opened under the attempt's, is the parent the server saw, and the server's span continues it.
+    # The compensating tools/call carried the trace in its request `_meta`: the attempt's span is the
+    # client span of that call (the worker leaves the MCP SDK's own out: one span per attempt), it is
+    # the parent the server saw, and the server's span continues it.
     (remove,) = [s for s in compensations if s["name"] == "saga compensation remove_note"]
+    assert remove["kind"] == "SpanKind.CLIENT"
     (arrived,) = [json.loads(line)["meta"] for line in run.meta_log.read_text().splitlines()]
     assert arrived["io.github.mcp-saga/idempotency-key"].startswith("saga:")
     _, trace_id, sent_by, _ = arrived["traceparent"].split("-")
     assert trace_id == root["trace"]
-    assert mine[sent_by]["name"] == "MCP send tools/call remove_note" and mine[sent_by]["parent"] == remove["span"]
+    assert sent_by == remove["span"]
+    assert not [s for s in spans if s["service"] == "saga-worker" and s["name"].startswith("MCP send")]
     (served,) = [s for s in mine.values() if s["service"] == "saga-notes" and s["name"] == "tools/call remove_note"]
     assert served["parent"] == sent_by
 

@@ -27,6 +27,7 @@ from mcp_saga.schemas.config import parse_config
 from mcp_saga.schemas.events import Event, FailedStep, StepCompleted, WorkflowCompleted, WorkflowFailed, decode_entry
 from mcp_saga.schemas.expressions import CUT_META_KEY
 from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.records import forward_key
 from mcp_saga.schemas.recovery import parse_recovery
 from mcp_types import CallToolResult, TextContent
 from processes import start_http_servers, stdio_params
@@ -82,8 +83,17 @@ async def ar(r: redis.Redis, redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-def events(r: redis.Redis, keys: Keys = K) -> list[Event]:
-    return [decode_entry(i.decode(), fields) for i, fields in r.xrange(keys.events)]
+def events(r: redis.Redis, keys: Keys = K, *, intents: bool = False) -> list[Event]:
+    """The stream's events; without the intents unless asked (tests/test_in_doubt.py covers them): each
+    step-started, and the step-completed with an `isError` result that settles the intent of a failed call."""
+    found = [decode_entry(i.decode(), fields) for i, fields in r.xrange(keys.events)]
+    return [e for e in found if intents or not _intent_traffic(e)]
+
+
+def _intent_traffic(event: Event) -> bool:
+    if event.type == "step-started":
+        return True
+    return event.type == "step-completed" and event.data.result.get("isError") is True
 
 
 def unwind(r: redis.Redis) -> Coordinator:
@@ -336,7 +346,7 @@ async def test_a_step_that_could_not_be_written_refuses_the_next_call(
 
     monkeypatch.setattr(ar, "xadd", first_write_lost)
     with pytest.raises(mcp_saga.StepNotRecorded, match="1-reserve_inventory"):
-        async with mcp_saga.workflow("order-lost", redis=ar, servers=clients) as wf:
+        async with mcp_saga.workflow("order-lost", redis=ar, servers=clients, intents=False) as wf:
             await wf.call(*ORDER[0])
             with pytest.raises(mcp_saga.StepNotRecorded):
                 await wf.flush()
@@ -344,3 +354,33 @@ async def test_a_step_that_could_not_be_written_refuses_the_next_call(
     assert wf.steps_completed == 1
     (failed,) = events(r)
     assert failed.data.steps_completed == 1 and failed.data.reason.startswith("StepNotRecorded: ")
+
+
+async def test_each_call_is_announced_with_its_forward_key_which_the_server_receives(
+    r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client]
+) -> None:
+    async with mcp_saga.workflow("order-intent", redis=ar, servers=clients) as wf:
+        result = await wf.call(*ORDER[1], step="charge")
+    started, completed, done = events(r, intents=True)
+    assert (started.type, completed.type, done.type) == ("step-started", "step-completed", "workflow-completed")
+    key = forward_key("order-intent", "charge")
+    assert (started.data.step, started.data.forward_key, started.data.arguments) == ("charge", key, ORDER[1][2])
+    assert started.data.recovery == DECLARED["charge_payment"]  # the in-doubt plan needs the declaration
+    state = await clients["payments"].call_tool("state", {})
+    [effect] = [e for e in state.structured_content["effects"] if e["idempotencyKey"] == key]
+    assert effect["holding"] == result.structured_content["transactionId"]
+
+
+async def test_an_intent_redis_does_not_acknowledge_stops_the_call_before_it_is_made(
+    r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def refused(*args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError("redis went away")
+
+    monkeypatch.setattr(ar, "xadd", refused)
+    before = await clients["payments"].call_tool("state", {})
+    with pytest.raises(mcp_saga.StepNotRecorded, match="the call was not made"):
+        async with mcp_saga.workflow("order-no-intent", redis=ar, servers=clients) as wf:
+            await wf.call(*ORDER[1])
+    after = await clients["payments"].call_tool("state", {})
+    assert len(after.structured_content["effects"]) == len(before.structured_content["effects"])

@@ -224,6 +224,16 @@ def test_rq_still_has_the_private_names_a_slot_worker_relies_on(redis_url: str) 
         assert callable(getattr(SimpleWorker, name, None)), name
         assert name in vars(SlotWorker)  # overridden, so a slot never touches signals
     assert "_stop_requested" in vars(SimpleWorker([], connection=redis.Redis.from_url(redis_url)))
+    # workers/healing.py repeats RQ's start-up of its scheduler to start the one that heals.
+    import inspect
+
+    from mcp_saga.workers.healing import HealingWorker
+    from rq.scheduler import RQScheduler
+
+    assert "RQScheduler(" in inspect.getsource(SimpleWorker._start_scheduler)
+    assert "_start_scheduler" in vars(HealingWorker)
+    for name in ("_install_signal_handlers", "_stop_requested", "should_reacquire_locks", "interval"):
+        assert hasattr(RQScheduler([], connection=redis.Redis.from_url(redis_url)), name), name
 
 
 def test_a_server_gets_at_most_per_server_slots_and_others_are_unaffected() -> None:

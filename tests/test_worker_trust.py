@@ -8,9 +8,9 @@ import msgspec
 import pytest
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, compensation, declaration_from_wire
 from mcp_saga.schemas.config import Config, ConfigError, parse_config
-from mcp_saga.schemas.records import Compensation, CompensationJob, idempotency_key
+from mcp_saga.schemas.records import Compensation, CompensationJob, forward_key, idempotency_key
 from mcp_saga.workers.job import _PERMANENT, attempt_of
-from mcp_saga.workers.trust import Refusal, check_live, check_request
+from mcp_saga.workers.trust import Refusal, check_live, check_recall_live, check_request
 
 WF, STEP = "order-42", "charge"
 REFUND = compensation("refund_payment", transactionId="$response.body#/transactionId")
@@ -222,3 +222,63 @@ def test_a_deferred_jobs_continuation_goes_on_counting_where_it_stopped(
 )
 def test_sdk_error_texts_for_unknown_tools_and_invalid_arguments_are_permanent(text: str, permanent: bool) -> None:
     assert bool(_PERMANENT.match(text)) is permanent
+
+
+# Recalls: the one call of a step's own tool a worker makes (issue 14).
+
+FORWARD = forward_key(WF, STEP)
+ORDER = {"orderId": "o-1", "amount": 5}
+
+
+def recall_record(**changes: Any) -> Compensation:
+    base = record(kind="recall", operation_id="charge_payment", arguments=ORDER, idempotency_key=FORWARD)
+    return msgspec.structs.replace(base, forward_key=FORWARD, **changes)
+
+
+def idempotent_charge(hint: bool = True) -> dict[str, Any]:
+    return {**tool("charge_payment", REFUND), "annotations": {"idempotentHint": hint, "recovery": REFUND}}
+
+
+INTENT = {"step": STEP, "forwardKey": FORWARD, "arguments": ORDER}
+
+
+def test_a_recall_of_the_recorded_call_passes_both_checks() -> None:
+    rec = recall_record()
+    job = job_for(rec, kind="recall")
+    assert check_request(job, rec, config()) is None
+    assert check_recall_live(job, config(), tools(idempotent_charge()), INTENT) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"operation_id": "refund_payment"}, "a recall calls the step's own tool"),
+        ({"idempotency_key": "saga:fwd:other"}, "another key than the forward key"),
+        ({"arguments": {"orderId": "o-1", "amount": 500}}, "other arguments than the recorded call"),
+        ({"server": "legacy"}, "ran on 'payments'"),
+    ],
+)
+def test_a_recall_that_is_not_exactly_the_recorded_call_is_refused(changes: dict[str, Any], why: str) -> None:
+    rec = recall_record()
+    refusal = check_request(job_for(rec, kind="recall", **changes), rec, config())
+    assert refusal is not None and why in refusal.reason
+
+
+def test_a_recall_job_for_a_record_that_plans_none_is_refused() -> None:
+    rec = record()  # a compensation's record: the original tool must never be called for it
+    refusal = check_request(job_for(rec, kind="recall", operation_id="charge_payment"), rec, config())
+    assert refusal is not None and "plans no recall" in refusal.reason
+
+
+def test_a_recall_needs_the_tool_declared_idempotent_live_or_by_the_operator() -> None:
+    job = job_for(recall_record(), kind="recall")
+    refusal = check_recall_live(job, config(), tools(idempotent_charge(False)), INTENT)
+    assert refusal is not None and "not declared idempotent" in refusal.reason
+    operator = parse_config({"servers": {"payments": {"url": "http://x/mcp", "idempotent": ["charge_payment"]}}})
+    assert check_recall_live(job, operator, tools(idempotent_charge(False)), INTENT) is None
+
+
+def test_a_recall_must_match_the_intent_on_the_stack() -> None:
+    job = job_for(recall_record(), kind="recall")
+    refusal = check_recall_live(job, config(), tools(idempotent_charge()), {**INTENT, "arguments": {}})
+    assert refusal is not None and "other arguments than the recorded intent" in refusal.reason

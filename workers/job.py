@@ -50,6 +50,8 @@ from mcp_saga.schemas.events import (
     CompensationRefused,
     CompensationSucceeded,
     Payload,
+    RecallFailed,
+    RecallSucceeded,
     StepCompleted,
     entry_fields,
 )
@@ -248,6 +250,8 @@ class _Attempt:
             return f"already {record.status}"
         if record.dispatch > self.job.dispatch:
             return f"stale dispatch {self.job.dispatch}; the record is at dispatch {record.dispatch}"
+        if record.kind != self.job.kind:  # a recall overtaken by the step's own result, or the reverse
+            return f"superseded: the record plans a {record.kind} now, not a {self.job.kind}"
         return None
 
     def _perform(self, record: Compensation) -> str:
@@ -260,7 +264,7 @@ class _Attempt:
                 self._log("warning", "refused", status=refusal.status, reason=refusal.reason)
                 return f"refused: {refusal.status}: {refusal.reason}"
             declaration = tools[job.operation_id]
-            arguments = self._arguments(declaration)
+            arguments = self._arguments(declaration) if job.kind == "compensation" else dict(job.arguments)
             missing = [name for name in declaration.input_schema.get("required", []) if name not in arguments]
             if missing:
                 return self._failed(f"{job.operation_id}: missing required arguments: {', '.join(missing)}", False)
@@ -274,6 +278,10 @@ class _Attempt:
         except JobTimeoutException:  # RQ's job_timeout cut the attempt short: report it like a call timeout
             return self._failed("the RQ job timeout ran out during the attempt", True)
         fail_point("worker.after-call")
+        if job.kind == "recall":  # any answer settles the step, an error one included (nothing to undo)
+            self._report(RecallSucceeded(**self._fields(final=True), result=result))
+            self._log("info", "recalled", duration_ms=self._elapsed_ms(), is_error=bool(result.get("isError")))
+            return "recalled"
         if result.get("isError"):
             text = result_text(result, "\n") or "isError result without text"
             return self._failed(text, not _PERMANENT.match(text))
@@ -290,12 +298,23 @@ class _Attempt:
         raw = self.step_raw
         if job.seq != record.seq:  # a job from before `seq` was carried: read the step now
             raw = self.ctx.redis.lindex(self.keys.steps(job.workflow), record.seq)
-        step = msgspec.json.decode(raw, type=StepCompleted) if raw is not None else None
+        entry = msgspec.json.decode(raw) if raw is not None else None
+        if job.kind == "recall":
+            intent = entry if isinstance(entry, dict) else None
+
+            def check(tools: dict[str, ToolDeclaration]) -> trust.Refusal | None:
+                return trust.check_recall_live(job, config, tools, intent)
+        else:
+            step = _recorded_step(entry)
+
+            def check(tools: dict[str, ToolDeclaration]) -> trust.Refusal | None:
+                return trust.check_live(job, record, config, tools, step)
+
         tools = pool.tools(job.server)
-        refusal = trust.check_live(job, record, config, tools, step)
+        refusal = check(tools)
         if refusal is not None:  # the cached listing may predate a change on the server: ask once more
             tools = pool.tools(job.server, refresh=True)
-            refusal = trust.check_live(job, record, config, tools, step)
+            refusal = check(tools)
         return refusal, tools
 
     def _arguments(self, declaration: ToolDeclaration) -> dict[str, Any]:
@@ -308,7 +327,8 @@ class _Attempt:
 
     def _failed(self, error: str, retryable: bool) -> str:
         final = not retryable or self.retries_left == 0
-        report = CompensationFailed(**self._fields(final=final), error=clip(error), retryable=retryable)
+        kind = RecallFailed if self.job.kind == "recall" else CompensationFailed
+        report = kind(**self._fields(final=final), error=clip(error), retryable=retryable)
         self._report(report)
         self._log("warning" if final else "info", "failed", retryable=retryable, final=final, error=clip(error))
         if not final:
@@ -363,6 +383,15 @@ class _Attempt:
             operation=job.operation_id,
             **fields,
         )
+
+
+def _recorded_step(entry: Any) -> StepCompleted | None:
+    """The stack entry as a step: a started step's intent (no result yet) reads as one with an empty result."""
+    if not isinstance(entry, dict):
+        return None
+    if "forwardKey" in entry and "result" not in entry:
+        entry = {**entry, "result": {}}
+    return msgspec.convert(entry, StepCompleted)
 
 
 def _bounded(result: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,8 @@ signal handlers, which only the main thread may do, and RQ has no public hook fo
 is not the process. So RQ is pinned to the range known to work (`pyproject.toml`: from 2.12,
 measured in FACTS.md, to 3.0, which this suite runs on), and `tests/test_worker_sessions.py`
 checks that the names still exist, so a newer RQ that renames them fails in CI, not in a worker.
+Every RQ worker of the process is a `HealingWorker` (workers/healing.py): a Redis that refuses
+writes for a while (OOM, READONLY) is waited out, never a reason to exit.
 """
 
 from __future__ import annotations
@@ -30,17 +32,18 @@ from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.runtime.metrics import CountingRetry
 from mcp_saga.runtime.redis_checks import check_redis
 from mcp_saga.schemas.config import Config
+from mcp_saga.workers.healing import HealingWorker
 from mcp_saga.workers.job import clear_context, session_pool, set_context
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rq import Queue, SimpleWorker
+from rq import Queue
 from rq.timeouts import TimerDeathPenalty
 
 log = get_logger("worker")
 
 
-class SlotWorker(SimpleWorker):
+class SlotWorker(HealingWorker):
     """An extra job slot in a thread of the worker process.
 
     Only the main thread may install signal handlers and use SIGALRM, so a slot installs none and
@@ -87,7 +90,7 @@ def run_worker(
     except (RedisConnectionError, RedisTimeoutError) as exc:
         log.warning("could not check the redis setup at start-up", error=str(exc))
     queue = Queue(config.keys().queue, connection=jobs)
-    worker = SimpleWorker([queue], connection=jobs, name=name)
+    worker = HealingWorker([queue], connection=jobs, name=name)
     slots = [
         SlotWorker([queue], connection=jobs, name=f"{worker.name}.{i}") for i in range(1, config.worker.concurrency)
     ]

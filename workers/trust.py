@@ -47,6 +47,10 @@ def check_request(job: CompensationJob, record: Compensation, config: Config) ->
         return _refuse(f"server {server!r} is not in this worker's registry")
     if server != record.server:
         return _refuse(f"job targets server {server!r}, but step {record.step!r} ran on {record.server!r}")
+    if job.kind == "recall":
+        return _recall_request(job, record, config)
+    if record.kind != "compensation":
+        return _refuse(f"job is a compensation, but the record of step {record.step!r} plans a {record.kind}")
     if operation != record.operation_id:
         return _refuse(f"job names operation {operation!r}, but the plan says {record.operation_id!r}")
     if job.idempotency_key != record.idempotency_key:
@@ -58,6 +62,48 @@ def check_request(job: CompensationJob, record: Compensation, config: Config) ->
         return _refuse(f"policy denies {server}:{operation}")
     if decision == "approval" and not record.approved:
         return Refusal("awaiting-approval", f"policy requires approval for {server}:{operation}")
+    return None
+
+
+def _recall_request(job: CompensationJob, record: Compensation, config: Config) -> Refusal | None:
+    """A recall is the one call of a step's own tool a worker makes: with the forward key of the
+    recorded intent, to learn what that call did. Anything else aimed at the original tool is refused."""
+    server, tool = job.server, job.operation_id
+    if record.kind != "recall" or record.forward_key is None:
+        return _refuse(f"job re-calls {tool!r}, but step {record.step!r} plans no recall")
+    if tool != record.tool:
+        return _refuse(f"a recall calls the step's own tool {record.tool!r}, not {tool!r}")
+    if job.idempotency_key != record.forward_key:
+        return _refuse("recall carries another key than the forward key of the recorded call")
+    if job.arguments != record.arguments:
+        return _refuse("recall carries other arguments than the recorded call")
+    decision = config.policy.decide(server, tool)
+    if decision == "deny":
+        return _refuse(f"policy denies {server}:{tool}")
+    if decision == "approval" and not record.approved:
+        return Refusal("awaiting-approval", f"policy requires approval for {server}:{tool} (a recall)")
+    return None
+
+
+def check_recall_live(
+    job: CompensationJob, config: Config, tools: Mapping[str, ToolDeclaration], intent: Mapping | None
+) -> Refusal | None:
+    """The tool must still be listed and declared idempotent (by the server, or the operator's config),
+    and the call must be the recorded one: its arguments and forward key, as the intent has them."""
+    server, tool = job.server, job.operation_id
+    declaration = tools.get(tool)
+    if declaration is None:
+        return _refuse(f"{server} no longer lists {tool!r}, so it cannot be called again to learn its result")
+    if declaration.annotations.get("idempotentHint") is not True and not config.declared_idempotent(server, tool):
+        return _refuse(
+            f"{server}:{tool} is not declared idempotent (no idempotentHint: true in its tools/list entry, and not "
+            f"in servers.{server}.idempotent of the config): calling it again could repeat its effect"
+        )
+    if intent is not None:
+        if intent.get("step") != job.step or intent.get("forwardKey") != job.idempotency_key:
+            return _refuse(f"the recorded intent at position {job.seq} is not step {job.step!r} with this forward key")
+        if intent.get("arguments", {}) != job.arguments:
+            return _refuse("recall carries other arguments than the recorded intent")
     return None
 
 

@@ -22,6 +22,9 @@ from mcp_saga.schemas.config import Config, CoordinatorSettings, Policy, ServerC
 
 from bench.chaos.model import SERVERS, Out, Settings
 
+# Forward tools the run's config declares idempotent under the forward key (see Cluster._config).
+IDEMPOTENT = {"inventory": ["reserve_inventory"], "shipping": ["create_shipment"]}
+
 # The processes ----------------------------------------------------------------------------------
 
 
@@ -145,12 +148,19 @@ class Cluster:
         """mcp-saga's timeouts shortened so that the watchdog, claims and leases all get exercised."""
         s = self.settings
         return Config(
-            servers={n: ServerConfig(url=server.url, timeout=s.call_timeout) for n, server in self.servers.items()},
+            # Every example forward tool returns its first result for a repeated forward key; inventory and
+            # shipping are declared idempotent so, payments not: an unconfirmed charge is left in doubt,
+            # an unconfirmed reservation or shipment is recalled and undone.
+            servers={
+                n: ServerConfig(url=server.url, timeout=s.call_timeout, idempotent=IDEMPOTENT.get(n, []))
+                for n, server in self.servers.items()
+            },
             policy=Policy(auto=["*"]),
             coordinator=CoordinatorSettings(
                 block_ms=200, claim_idle_ms=s.claim_idle_ms, watchdog_after=s.watchdog_after, watchdog_every=0.5,
                 barrier_grace=s.barrier_grace, retention_completed=s.retention, retention_compensated=s.retention,
                 retention_attention=s.retention, idle_ttl=s.idle_ttl, outcomes_maxlen=100, dead_letter_maxlen=1000,
+                in_doubt_after=s.in_doubt_after,
             ),
             worker=WorkerSettings(
                 attempts=s.attempts, backoff_base=s.backoff_base, backoff_max=s.backoff_max, lease=s.lease,
@@ -238,10 +248,17 @@ class Cluster:
     def restart_redis(self) -> None:
         """SIGTERM redis-server (it flushes the append-only file) and start it on the same port and dir."""
         assert self.redis is not None
+        full_until = self._full_until
+        if full_until is not None:  # a restart forgets the limit and the error counts: count them, set it again
+            self.unfill_redis()
         started = time.monotonic()
         self.redis.restart()
         self.restarts["redis"] += 1
         self.out(f"  restarted redis-server with AOF ({time.monotonic() - started:.2f} s down)")
+        if full_until is not None:
+            self.fill_redis()
+            self.fills -= 1  # the same fill, carried over the restart for the time it had left
+            self._full_until = full_until
 
     def blackhole_server(self, name: str) -> None:
         """SIGSTOP an example server for `stall_seconds`: its port still accepts, nothing answers.

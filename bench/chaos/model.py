@@ -56,6 +56,7 @@ class Settings:
     job_timeout: int = 15
     retention: int = 15  # seconds a settled workflow stays in Redis (short, so expiry can be watched)
     idle_ttl: int = 300
+    in_doubt_after: float = 120.0  # a running workflow with an open call and no event is failed after this
     publisher_call_timeout: float = 15.0
     publish_timeout: float = 600.0  # bounded wait for the publishers
     settle_timeout: float = 180.0  # bounded wait for quiescence after the publishers finished
@@ -109,7 +110,11 @@ class Report:
     out_of_order: int = 0  # failed workflows whose undos were not applied last-first
     late_steps: int = 0  # steps of completed workflows handled after their completion (a kill reordered them)
     left_for_human: int = 0  # committed effects of needs-attention workflows, not undone, with a reason
-    unseen_effects: int = 0  # effects a server applied but no orchestrator learned of (not mcp-saga's to undo)
+    unseen_effects: int = 0  # effects a server applied but no orchestrator learned of, and no intent records
+    # Effects that landed but were never confirmed to the orchestrator, whose intent mcp-saga recorded:
+    in_doubt_undone: int = 0  # undone in the unwind (a recall, or a compensation bound from the request)
+    in_doubt_flagged: int = 0  # left in place in a needs-attention workflow, with the in-doubt reason
+    in_doubt_lost: int = 0  # in workflows lost with Redis's data, or whose orchestrator never signalled
     attention: dict[str, str] = field(default_factory=dict)
     dead_letters: dict[str, int] = field(default_factory=dict)
     workflow_keys_after: int = -1
@@ -181,6 +186,12 @@ class Report:
                 ),
             ),
             ("needs-attention", f"{len(self.attention)} workflows, {self.left_for_human} effects left with a reason"),
+            (
+                "landed, never confirmed",
+                f"{self.in_doubt_undone + self.in_doubt_flagged + self.in_doubt_lost} effects whose call the "
+                f"orchestrator saw fail: {self.in_doubt_undone} undone, {self.in_doubt_flagged} needs-attention "
+                f"(in doubt), {self.in_doubt_lost} in workflows lost or never signalled",
+            ),
             (
                 "effects no one published",
                 f"{self.unseen_effects} (a call the orchestrator saw fail but the server ran)",

@@ -330,6 +330,10 @@ def verify(
                 continue
             report.lost_events += 1
             violations.append(f"{workflow}: step {step['step']} was published but is not recorded")
+        published = {s["step"] for s in steps + record["unpublished"]}
+        # Intents of calls the orchestrator saw fail (no answer, or an error one) are on the stack too.
+        unconfirmed = [n for n, c in snap.comps.items() if c.get("forwardKey") or c.get("failedCall")]
+        recorded -= sum(1 for name in unconfirmed if name not in published)
         if recorded > len(steps) + len(record["unpublished"]):
             violations.append(f"{workflow}: {recorded} steps recorded, only {len(steps)} published")
 
@@ -391,9 +395,27 @@ def verify(
             report.redispatches += max(0, dispatched - 1)
     report.statuses = dict(statuses)
 
-    # Effects nobody published: a call that failed at the client but ran at the server.
-    for holding in holdings:
+    # Effects nobody confirmed: a call that failed at the client but ran at the server. With its
+    # intent recorded (holdings name their workflow and step), each is undone or flagged in doubt.
+    for holding, (_, entry) in holdings.items():
         if holding in known:
+            continue
+        ref = str(entry["data"].get("sku") or entry["data"].get("orderId") or "")
+        workflow, _, index = ref.rpartition("/")
+        snap = snapshots.get(workflow)
+        comp = snap.comps.get(f"s{index}") if snap is not None else None
+        if comp is not None and comp.get("inDoubt"):
+            status = snap.state.get("status")  # type: ignore[union-attr]
+            if any(e["tool"] in UNDO_TOOLS for e in by_holding[holding]):
+                report.in_doubt_undone += 1
+                continue
+            if status == "needs-attention" and "in doubt" in snap.state.get("attention", ""):  # type: ignore[union-attr]
+                report.in_doubt_flagged += 1
+                continue
+            violations.append(f"{workflow}: step s{index} was in doubt, its effect {holding} remains, nothing says so")
+            continue
+        if workflow in lost or not records.get(workflow, {}).get("terminalPublished", True):
+            report.in_doubt_lost += 1
             continue
         report.unseen_effects += 1
         if any(e["tool"] in UNDO_TOOLS for e in by_holding[holding]):

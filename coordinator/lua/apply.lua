@@ -3,8 +3,9 @@
 -- KEYS: state, steps, comp, log, outbox (all hash-tagged with the workflow id: one cluster slot).
 -- ARGV: expected version, ttl seconds, log maxlen, #state pairs, #comp pairs, #steps, #log entries,
 --       the outbox item ('' for none: the transition's outcomes, JSON), then the state field/value
---       pairs, the comp step/record pairs, the step entries, and for each log entry its field
---       count followed by its field/value pairs.
+--       pairs, the comp step/record pairs, the step entries, for each log entry its field
+--       count followed by its field/value pairs, then (position, entry) pairs of stack entries
+--       replaced in place (a started step settled by its result).
 -- Returns 1 when applied, 0 on a version conflict (the caller reloads and folds its events again).
 local state, steps, comp, log, outbox = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local current = redis.call('HGET', state, 'version') or '0'
@@ -33,6 +34,10 @@ for _ = 1, nlog do
   local nfields = tonumber(ARGV[i])
   redis.call('XADD', log, 'MAXLEN', '~', logmax, '*', unpack(ARGV, i + 1, i + 2 * nfields))
   i = i + 1 + 2 * nfields
+end
+while i < #ARGV do
+  redis.call('LSET', steps, ARGV[i], ARGV[i + 1])
+  i = i + 2
 end
 for _, key in ipairs(KEYS) do
   redis.call('EXPIRE', key, ttl)

@@ -1,4 +1,5 @@
--- Record step-completed events of a running (or new) workflow in one call, with no read first.
+-- Record step-completed (and step-started: intents) events of a running (or new) workflow in one
+-- call, with no read first.
 --
 -- Most events are steps of workflows that are running; they need no planning against other
 -- records, so the coordinator plans them without loading the workflow (Machine.plan_step, the

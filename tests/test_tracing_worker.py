@@ -1,0 +1,100 @@
+"""What tracing does per compensation attempt in a worker, which has to stay cheap (issue 17, Cost).
+
+One span per attempt, the client span of its `tools/call` (the MCP SDK's own span of each request
+is left out in the worker, and the carrier in `_meta` is the attempt's); no span at all for an
+attempt whose trace the agent's sampler left out, whose context then passes through unchanged.
+Run in an interpreter of its own: OpenTelemetry's global tracer provider cannot be reset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from processes import REPO
+
+SCRIPT = """
+import json, sys
+from mcp_saga.runtime import tracing
+from mcp_saga.schemas.records import CompensationJob
+from mcp_saga.schemas.events import CompensationSucceeded
+
+assert tracing.setup("worker")
+def job(flags, state=None):
+    carrier = {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-{flags}"} | ({"tracestate": state} if state else {})
+    return CompensationJob(workflow="wf", step="s1", server="svc", tool="do", operation_id="undo",
+                           arguments={}, idempotency_key="k", dispatch=1, trace=carrier)
+report = CompensationSucceeded(step="s1", dispatch=1, attempt=1, final=True, server="svc", operation_id="undo",
+                               idempotency_key="k", arguments_digest="d", duration_ms=1.0, worker="w", result={})
+out = {}
+with tracing.attempt(job("00")) as skipped:
+    out["unsampled"] = {"span": skipped.span is not None, "carrier": skipped.carrier}
+with tracing.attempt(job("01", "vendor=x")) as traced:
+    out["sampled"] = {"carrier": traced.carrier}
+    # What the session pool does around the call: the MCP SDK's span of the request, and its injection.
+    from mcp.shared._otel import inject_trace_context, otel_span
+    from opentelemetry.trace import SpanKind
+    meta = dict(traced.carrier)
+    with tracing.continued(meta), otel_span("MCP send tools/call undo", kind=SpanKind.CLIENT):
+        inject_trace_context(meta)
+    out["meta"] = meta
+    traced.outcome(report)
+tracing.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_a_worker_attempt_is_one_client_span_and_none_when_unsampled(tmp_path: Path) -> None:
+    spans_file = tmp_path / "spans.jsonl"
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "SAGA_TRACES_FILE": str(spans_file)}
+    env.pop("OTEL_SDK_DISABLED", None)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    unsampled = f"00-{'ab' * 16}-{'cd' * 8}-00"
+    assert out["unsampled"] == {"span": False, "carrier": {"traceparent": unsampled}}
+
+    spans = [json.loads(line) for line in spans_file.read_text().splitlines()]
+    assert [s["name"] for s in spans] == ["saga compensation undo"]  # no MCP SDK span beside it
+    (span,) = spans
+    assert span["kind"] == "SpanKind.CLIENT" and span["parent_id"] == "0x" + "cd" * 8
+    assert span["context"]["trace_id"] == "0x" + "ab" * 16
+    assert span["attributes"]["saga.outcome"] == "compensation-succeeded"
+    mine = f"00-{'ab' * 16}-{span['context']['span_id'].removeprefix('0x')}-01"
+    assert out["sampled"]["carrier"] == {"traceparent": mine, "tracestate": "vendor=x"}
+    assert out["meta"] == out["sampled"]["carrier"]  # the server continues the attempt's span
+
+
+def test_jobs_dispatched_by_a_batch_of_steps_only_carry_the_steps_trace() -> None:
+    """The barrier's case: the failure came first (handled by one coordinator); the step that completes
+    the barrier, handled by another, is all its batch holds, and its jobs must not lose the trace."""
+    from types import SimpleNamespace
+
+    from mcp_saga.runtime import tracing
+    from mcp_saga.schemas.events import StepCompleted, TraceContext
+    from mcp_saga.schemas.records import CompensationJob
+
+    parent = f"00-{'ef' * 16}-{'12' * 8}-01"
+    step = StepCompleted(step="s1", server="svc", tool="do", result={}, trace=TraceContext(traceparent=parent))
+    untraced = StepCompleted(step="s1", server="svc", tool="do", result={})
+    groups = {"wf": [(SimpleNamespace(data=step), {})], "plain": [(SimpleNamespace(data=untraced), {})]}
+    traces = tracing.event_traces(groups)
+    assert dict(traces) == {}  # steps are not read eagerly
+
+    def view(workflow: str) -> SimpleNamespace:
+        job = CompensationJob(
+            workflow=workflow, step="s1", server="svc", tool="do", operation_id="undo", arguments={},
+            idempotency_key="k", dispatch=1,
+        )  # fmt: skip
+        return SimpleNamespace(workflow=workflow, jobs=[job], loaded_status="failed", state=SimpleNamespace(status="x"))
+
+    views = [view("wf"), view("plain")]
+    tracing.transitions(views, traces, 0.0)
+    assert views[0].jobs[0].trace == {"traceparent": parent}  # untraced here: handed on as it came
+    assert views[1].jobs[0].trace is None
+    assert tracing.trace_id("wf") == "ef" * 16

@@ -1,0 +1,151 @@
+"""A worker survives a full Redis (issue 11, item 5): real redis-server, real `saga` processes.
+
+Before the fix, RQ's own heartbeat, state change and dequeue met the OOM and ended each job slot
+("found an unhandled exception, quitting"), and the scheduler child died on its first heartbeat
+with the OOM inside a MULTI (ExecAbortError); a retry parked for later was then never brought
+back, as only a scheduler does that (the worker restarts a dead one ten minutes later).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import redis
+from mcp_saga.cli.redis_server import RedisServer, find_redis_server
+from mcp_saga.schemas.config import dump_config, parse_config
+from mcp_saga.schemas.events import StepCompleted, WorkflowFailed, entry_fields
+from mcp_saga.schemas.keys import Keys
+from processes import REPO, free_port, saga_process, stop, wait_for, wait_until_accepting
+from rq import Queue, Worker
+from rq.scheduler import SCHEDULER_KEY_TEMPLATE
+
+K = Keys()
+
+# Its compensating tool fails once (retryable) and then succeeds, so the unwind needs a retry that
+# RQ parks as scheduled: only a live scheduler brings it back.
+FLAKY = """
+import sys
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp_saga.runtime.recovery_wire import compensation, recoverable_tool
+
+app = MCPServer("flaky", log_level="WARNING")
+CALLS = sys.argv[2]
+
+@recoverable_tool(app, compensation("undo", id="$response.body#/id"))
+def do() -> dict:
+    return {"id": "x"}
+
+@app.tool()
+def undo(id: str) -> str:
+    with open(CALLS, "a") as calls:
+        calls.write(id + "\\n")
+    with open(CALLS) as calls:
+        if len(calls.read().splitlines()) == 1:
+            raise ToolError("not yet")
+    return "undone " + id
+
+app.run("streamable-http", port=int(sys.argv[1]))
+"""
+RECOVERY = {
+    "strategy": "compensation",
+    "compensatingOperation": {"operationId": "undo", "parameters": {"id": "$response.body#/id"}},
+}
+
+
+@pytest.fixture
+def private_redis() -> Iterator[redis.Redis]:
+    """A redis-server of the test's own: the test sets its maxmemory."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server")
+    server = RedisServer(binary).start()
+    client = redis.Redis.from_url(server.url)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.cleanup()
+
+
+def _url(client: redis.Redis) -> str:
+    kw = client.connection_pool.connection_kwargs
+    return f"redis://{kw['host']}:{kw['port']}/0"
+
+
+def _scheduler_beats(client: redis.Redis) -> list[datetime]:
+    beats = []
+    for key in client.scan_iter(SCHEDULER_KEY_TEMPLATE % "*"):
+        raw = client.hget(key, "last_heartbeat")
+        if raw:
+            beats.append(datetime.fromisoformat(raw.decode().replace("Z", "+00:00")))
+    return beats
+
+
+def test_a_full_redis_is_waited_out_by_every_slot_and_the_scheduler(private_redis: redis.Redis, tmp_path: Path) -> None:
+    r, url = private_redis, _url(private_redis)
+    calls, port = tmp_path / "calls", free_port()
+    server = subprocess.Popen([sys.executable, "-c", FLAKY, str(port), str(calls)], cwd=REPO, stderr=subprocess.DEVNULL)
+    settings = parse_config(
+        {
+            "servers": {"svc": {"url": f"http://127.0.0.1:{port}/mcp", "timeout": 5}},
+            "coordinator": {"block_ms": 50},
+            "worker": {"concurrency": 3, "backoff_base": 1, "backoff_max": 1, "jitter": 0},
+        }
+    )
+    config = tmp_path / "saga.toml"
+    config.write_text(dump_config(settings))
+    worker_log = tmp_path / "w.log"
+    procs: list[subprocess.Popen[bytes]] = []
+    queue = Queue(K.queue, connection=r)
+    try:
+        wait_until_accepting("127.0.0.1", port, server)
+        procs.append(saga_process("coordinator", redis_url=url, config=config, log=tmp_path / "c.log"))
+        worker = saga_process("worker", redis_url=url, config=config, log=worker_log)
+        procs.append(worker)
+        slots = settings.worker.concurrency
+        wait_for(lambda: len(Worker.all(queue=queue)) == slots, 30, "every slot of the worker to register")
+        wait_for(lambda: bool(_scheduler_beats(r)), 30, "the scheduler to start")
+
+        r.config_set("maxmemory", 1)  # every write that may grow memory is refused with OOM
+        try:
+            # Slots write a heartbeat each second and the scheduler beats each second: all meet it.
+            wait_for(lambda: "redis refused a write" in worker_log.read_text(), 30, "the worker to meet the OOM")
+            time.sleep(3)
+        finally:
+            r.config_set("maxmemory", 0)
+        healed = datetime.now().astimezone()
+
+        assert worker.poll() is None, worker_log.read_text()[-3000:]
+        wait_for(
+            lambda: any(beat > healed for beat in _scheduler_beats(r)), 30, "the scheduler to beat after Redis healed"
+        )
+
+        def slots_beating() -> bool:
+            workers = Worker.all(queue=queue)
+            beaten = [w for w in workers if w.last_heartbeat is not None and w.last_heartbeat > healed]
+            # The main worker waits for jobs in one long blocking call, which an OOM never reaches.
+            return len(workers) == slots and len(beaten) >= slots - 1
+
+        wait_for(slots_beating, 30, "every job slot to be registered and beating after Redis healed")
+
+        result = {"structuredContent": {"id": "x"}}
+        step = StepCompleted(step="a", server="svc", tool="do", result=result, recovery=RECOVERY)
+        r.xadd(K.events, entry_fields("after-oom", step))
+        r.xadd(K.events, entry_fields("after-oom", WorkflowFailed(reason="boom")))
+        wait_for(lambda: r.hget(K.state("after-oom"), "status") == b"compensated", 60, "the unwind after the OOM")
+        assert calls.read_text().splitlines() == ["x", "x"]  # the retry the scheduler brought back
+        assert worker.poll() is None
+        text = worker_log.read_text()
+        assert "unhandled exception" not in text and "raised an exception" not in text, text[-3000:]
+    finally:
+        r.config_set("maxmemory", 0)
+        for proc in procs:
+            assert stop(proc) == 0
+        stop(server)

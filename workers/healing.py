@@ -1,0 +1,205 @@
+"""RQ's worker and scheduler loops, made to wait out a Redis that refuses writes for a while.
+
+RQ ends a worker's loop on any Redis error but a lost connection: under `maxmemory` (noeviction)
+the first heartbeat, state change or dequeue that meets the OOM ends the slot ("found an unhandled
+exception, quitting"), and the scheduler child dies on its next heartbeat (the OOM inside a MULTI);
+the worker restarts a dead scheduler only at its next maintenance run, ten minutes later, and until
+then no retry parked by RQ comes back. Under a supervisor that is a crash loop while memory stays
+full. Every condition `healing_condition` names (OOM, READONLY, MISCONF, ...) ends by itself or by
+an operator's hand, so these loops wait it out instead, with a rate-limited warning.
+
+What is retried is each of RQ's steps that writes and can run again after a refusal without doing
+anything twice: a single idempotent command (a heartbeat's HSET), or a MULTI/EXEC (RQ's pipelines
+are transactions), which Redis discards whole when one queued command is refused. A dequeue that
+is refused moved nothing; one that succeeded is never repeated, since the heartbeat after it waits
+on its own. Nothing is acknowledged meanwhile: a job's result, retry or failure is written only
+once Redis takes it. The one step RQ itself swallows a refusal of (persisting a job's failure, and
+with it the retry it schedules) is preceded by a wait until Redis takes a heartbeat again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.redis_checks import MAX_REFUSAL_BACKOFF, RateLimitedLog, healing_condition
+from redis.exceptions import ResponseError
+from rq import SimpleWorker
+from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
+from rq.exceptions import StopRequested
+from rq.scheduler import RQScheduler
+
+log = get_logger("worker")
+T = TypeVar("T")
+_refused = RateLimitedLog(log)
+
+
+def wait_out(call: Callable[[], T], stopping: Callable[[], bool], *, idle: bool) -> T:
+    """`call()`, again after a backoff for as long as Redis refuses it with a condition that heals.
+
+    When the process is stopping, an idle step ends the loop (StopRequested) and a job's step gives
+    up with the refusal: the job is then RQ's abandoned job, and the coordinator's watchdog sees a
+    silent compensation.
+    """
+    delay = 0.0
+    while True:
+        try:
+            return call()
+        except ResponseError as exc:
+            condition = healing_condition(exc)
+            if condition is None:
+                raise
+            if stopping():
+                if idle:
+                    raise StopRequested from exc
+                raise
+            delay = min(MAX_REFUSAL_BACKOFF, delay * 2 or 0.1)
+            _refused.note(condition, str(exc), delay)
+            time.sleep(delay)
+
+
+class HealingScheduler(RQScheduler):
+    """RQ's scheduler loop with each round waited out; the child process outlives a full Redis."""
+
+    def work(self) -> None:
+        self._install_signal_handlers()
+        stopping = lambda: self._stop_requested  # noqa: E731 - read at each refusal
+        wait_out(self.register_birth, stopping, idle=True)
+        while not self._stop_requested:
+            wait_out(self._round, stopping, idle=True)
+            time.sleep(self.interval)
+        self.stop()
+
+    def _round(self) -> None:
+        # Lock and heartbeat are one script call each; moving due jobs is one MULTI per batch.
+        if self.should_reacquire_locks:
+            self.acquire_locks()
+        self.heartbeat()
+        self.enqueue_scheduled_jobs()
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        except ResponseError as exc:  # its lock and record expire by themselves within a minute
+            if healing_condition(exc) is None:
+                raise
+            log.warning("scheduler stopped without releasing its lock: redis refused the write", error=str(exc)[:200])
+
+
+class HealingWorker(SimpleWorker):
+    """An RQ SimpleWorker whose own bookkeeping waits out a Redis that refuses writes."""
+
+    def _stopping(self) -> bool:
+        return bool(self._stop_requested)
+
+    def _idle(self, call: Callable[[], T]) -> T:
+        return wait_out(call, self._stopping, idle=True)
+
+    def _busy(self, call: Callable[[], T]) -> T:
+        return wait_out(call, self._stopping, idle=False)
+
+    # Between jobs --------------------------------------------------------------------------
+
+    def register_birth(self) -> None:
+        self._idle(super().register_birth)
+
+    def register_death(self) -> None:
+        try:
+            super().register_death()
+        except ResponseError as exc:  # the worker's key expires by itself (worker_ttl + 60 s)
+            if healing_condition(exc) is None:
+                raise
+            log.warning("worker stopped without unregistering: redis refused the write", error=str(exc)[:200])
+
+    def check_for_suspension(self, burst: bool) -> None:
+        parent = super().check_for_suspension  # it writes a heartbeat in the same MULTI as its read
+        self._idle(lambda: parent(burst))
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        parent = super().heartbeat
+        self._idle(lambda: parent(timeout, pipeline))
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        parent = super().set_state
+        self._idle(lambda: parent(state, pipeline))
+
+    def run_maintenance_tasks(self) -> None:
+        self._idle(super().run_maintenance_tasks)
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):  # type: ignore[no-untyped-def]
+        parent = super().dequeue_job_and_maintain_ttl
+        return self._idle(lambda: parent(timeout, max_idle_time))
+
+    def _start_scheduler(
+        self,
+        burst: bool = False,
+        logging_level: str | None = "INFO",
+        date_format: str = DEFAULT_LOGGING_DATE_FORMAT,
+        log_format: str = DEFAULT_LOGGING_FORMAT,
+    ) -> None:
+        """RQ's own start-up of its scheduler (rq/worker/base.py), with the scheduler that heals.
+
+        RQ names its scheduler class in the method itself, so the method is repeated here; the
+        test of RQ's private names (tests/test_worker_sessions.py) covers this one too.
+        """
+        self.scheduler = HealingScheduler(
+            self.queues,
+            connection=self.connection,
+            logging_level=logging_level if logging_level is not None else self.log.level,
+            date_format=date_format,
+            log_format=log_format,
+            serializer=self.serializer,
+        )
+        scheduler = self.scheduler
+        self._idle(scheduler.acquire_locks)
+        if not scheduler.acquired_locks:
+            return
+        if not burst:
+            scheduler.start()
+            return
+        try:
+            self._idle(scheduler.register_birth)
+            self._idle(scheduler.enqueue_scheduled_jobs)
+        finally:
+            scheduler.release_locks()
+            scheduler.register_death()
+
+    # Around a job ------------------------------------------------------------------------
+
+    def prepare_execution(self, job: Any) -> Any:
+        def attempt() -> Any:
+            before = set(self.executions)
+            try:
+                return SimpleWorker.prepare_execution(self, job)
+            except ResponseError:  # the MULTI was discarded: forget the execution it would have made
+                for key in set(self.executions) - before:
+                    del self.executions[key]
+                raise
+
+        return self._busy(attempt)
+
+    def prepare_job_execution(self, job: Any, remove_from_intermediate_queue: bool = False) -> None:
+        parent = super().prepare_job_execution
+        self._busy(lambda: parent(job, remove_from_intermediate_queue))
+
+    def handle_execution_ended(self, job: Any, queue: Any, heartbeat_ttl: int) -> None:
+        parent = super().handle_execution_ended
+        self._busy(lambda: parent(job, queue, heartbeat_ttl))
+
+    def handle_job_success(self, job: Any, queue: Any, started_job_registry: Any, execution: Any) -> None:
+        parent = super().handle_job_success
+        self._busy(lambda: parent(job, queue, started_job_registry, execution))
+
+    def handle_job_retry(self, job: Any, queue: Any, retry: Any, started_job_registry: Any, execution: Any) -> None:
+        parent = super().handle_job_retry
+        self._busy(lambda: parent(job, queue, retry, started_job_registry, execution))
+
+    def handle_job_failure(
+        self, job: Any, queue: Any, started_job_registry: Any = None, exc_string: str = "", execution: Any = None
+    ) -> None:
+        # RQ logs and drops a refusal of this MULTI (and the retry it schedules): wait until Redis
+        # takes a write first, so that the failure and its retry are kept.
+        self._busy(lambda: SimpleWorker.heartbeat(self))
+        super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
