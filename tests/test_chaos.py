@@ -12,6 +12,7 @@ of a Redis that lost its data.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import sys
@@ -238,3 +239,52 @@ def test_an_oom_raised_inside_a_script_is_a_condition_to_wait_out(r: redis.Redis
     assert healing_condition(redis.ResponseError(pipelined)) == "OOM"
     assert healing_condition(redis.ResponseError("Error running script: @user_script:1: boom")) is None
     assert healing_condition(redis.ResponseError("UNBLOCKED the stream key no longer exists")) == "NOGROUP"
+
+
+def _settle(r: redis.Redis, workflow: str, status: str, version: int, created: str, steps: dict[str, str], ttl: int):
+    r.hset(K.state(workflow), mapping={"status": status, "version": version, "createdAt": created})
+    for step, reason in steps.items():
+        r.hset(K.comp(workflow), step, f'{{"step": "{step}", "status": "skipped", "reason": "{reason}"}}')
+    for key in (K.state(workflow), K.comp(workflow)):
+        r.expire(key, ttl)
+
+
+def test_the_tracker_sees_a_late_step_that_expires_while_the_fault_loop_is_blocked(r: redis.Redis, tmp_path) -> None:
+    """A completed workflow gets its steps late (claimed from a stopped coordinator) and expires
+    `retention` seconds later, while the run's loop waits for a restarting MCP server.
+
+    The reduced chaos run reported such steps as "published but is not recorded" when the tracker
+    was polled from that loop only; it polls from a thread of its own now.
+    """
+    from bench.chaos.verify import Tracker
+
+    records = tmp_path / "publisher-0.jsonl"
+    step = {"step": "s0", "server": "payments", "tool": "charge_payment", "holding": "tx-1"}
+    records.write_text(json.dumps({"workflow": "w-late", "outcome": "completed", "steps": [step], "unpublished": [],
+                                   "terminalPublished": True, "started": 1.0}) + "\n")  # fmt: skip
+    _settle(r, "w-late", "completed", 1, "1.0", {}, ttl=30)
+    tracker = Tracker(r, K, [records])
+    tracker.start(every=0.05)
+    try:
+        wait_for(lambda: "w-late" in tracker.snapshots, 10, "the completed workflow's snapshot")
+        # The fault loop is blocked from here on: only the tracker's own thread looks at Redis.
+        _settle(r, "w-late", "completed", 2, "1.0", {"s0": "recorded after the workflow completed"}, ttl=1)
+        wait_for(lambda: not r.exists(K.state("w-late")), 10, "retention to expire the workflow")
+    finally:
+        tracker.stop()
+    assert tracker.snapshots["w-late"].comps["s0"]["reason"] == "recorded after the workflow completed"
+
+
+def test_the_tracker_follows_a_workflow_restarted_by_events_claimed_after_its_retention(r: redis.Redis) -> None:
+    """Steps claimed after a completed workflow expired start a new one (README, "Not promised"):
+    its version is 1 again, so only its `createdAt` tells the tracker that the state changed."""
+    from bench.chaos.verify import Tracker
+
+    _settle(r, "w-again", "completed", 1, "1.0", {}, ttl=30)
+    tracker = Tracker(r, K, [])
+    tracker.snapshots.update(tracker.snapshot(["w-again"]))
+    r.delete(K.state("w-again"), K.comp("w-again"))
+    _settle(r, "w-again", "running", 1, "9.0", {"s0": ""}, ttl=30)
+    tracker.poll()
+    assert tracker.snapshots["w-again"].state["status"] == "running"
+    assert set(tracker.snapshots["w-again"].comps) == {"s0"}

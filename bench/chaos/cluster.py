@@ -239,10 +239,11 @@ class Cluster:
     def restart_server(self, name: str) -> None:
         """Stop an example server (SIGTERM) and start it again on the same port with the same database."""
         server = self.servers[name]
+        started = time.monotonic()
         server.stop()
         server.start()
         self.restarts["server"] += 1
-        self.out(f"  restarted MCP server {name} on port {server.port}")
+        self.out(f"  restarted MCP server {name} on port {server.port} ({time.monotonic() - started:.2f} s)")
 
     def restart_redis(self) -> None:
         """SIGTERM redis-server (it flushes the append-only file) and start it on the same port and dir."""

@@ -59,6 +59,7 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
     keys = Keys()
     cluster = Cluster(settings, workdir, rng, out)
     publishers: list[subprocess.Popen[bytes]] = []
+    tracker: Tracker | None = None
     out(f"chaos run: {settings.workflows} workflows, {settings.publishers} publishers, seed {seed}, in {workdir}")
     try:
         cluster.start()
@@ -84,6 +85,7 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
                 ))  # fmt: skip
 
         tracker = Tracker(r, keys, paths)
+        tracker.start()  # its own thread: a fault that blocks this loop for seconds must not blind it
         faults = schedule(settings, rng)
         publish_deadline = time.monotonic() + settings.publish_timeout
         while any(p.poll() is None for p in publishers) or faults:
@@ -100,8 +102,9 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
                 if fault == "redis":
                     cluster.restart_redis()
                 elif fault == "wipe":
-                    tracker.poll()
-                    tracker.wiped(*cluster.wipe_redis())
+                    with tracker.lock:  # nothing snapshotted from the empty Redis counts as settled before
+                        tracker.poll()
+                        tracker.wiped(*cluster.wipe_redis())
                 elif fault == "fill":
                     cluster.fill_redis()
                 elif fault.startswith("blackhole:"):
@@ -133,6 +136,7 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
             time.sleep(0.3)
             cluster.check()
             tracker.poll()
+        tracker.stop()
         tracker.refresh()
         report.settle_seconds = time.monotonic() - published_at
         for workflow in tracker.waiting():
@@ -183,6 +187,8 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
             )
         r.close()
     finally:
+        if tracker is not None:
+            tracker.stop()
         for p in publishers:
             _terminate(p)
         cluster.stop()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -29,7 +30,14 @@ class Snapshot:
 
 
 class Tracker:
-    """Reads the publishers' records as they are written and snapshots each workflow once it settles."""
+    """Reads the publishers' records as they are written and snapshots each workflow once it settles.
+
+    A settled workflow (and a late change to it) lives only `retention` seconds, so the snapshots
+    must be taken within that time whatever the run is doing: `start()` polls from a thread of its
+    own. Polled only from the fault loop, it went blind while a fault blocked that loop (an MCP
+    server or Redis restarting under load takes seconds) and reported as lost the steps a claim
+    had recorded and retention had expired meanwhile.
+    """
 
     def __init__(self, r: redis.Redis, keys: Keys, paths: list[Path]) -> None:
         self.r, self.keys, self.paths = r, keys, paths
@@ -38,13 +46,38 @@ class Tracker:
         self.snapshots: dict[str, Snapshot] = {}
         self.last_settled = time.monotonic()
         self.wipes: list[tuple[float, frozenset[str]]] = []  # (when Redis was back, who had settled before)
+        self.lock = threading.RLock()  # the polling thread and the run's own calls share the fields above
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, every: float = 0.1) -> None:
+        """Poll every `every` seconds in a daemon thread until `stop()`."""
+
+        def loop() -> None:
+            while not self._stop.wait(every):
+                with contextlib.suppress(redis.RedisError):
+                    self.poll()
+
+        self._thread = threading.Thread(target=loop, name="chaos-tracker", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
     def wiped(self, began: float, ended: float) -> None:
         """Redis lost its data between `began` and `ended` (wall clock): remember who had settled by then."""
-        self.wipes.append((ended, frozenset(self.snapshots)))
+        with self.lock:
+            self.wipes.append((ended, frozenset(self.snapshots)))
 
     def lost(self) -> set[str]:
         """Workflows that had started and not settled (as far as was seen) when Redis lost its data."""
+        with self.lock:
+            return self._lost()
+
+    def _lost(self) -> set[str]:
         return {
             w
             for w, rec in self.records.items()
@@ -64,14 +97,19 @@ class Tracker:
 
     def waiting(self) -> list[str]:
         """Workflows whose terminal event was published and which have not settled yet (nor were lost)."""
-        lost = self.lost() if self.wipes else set()
-        return [
-            w
-            for w, rec in self.records.items()
-            if rec["terminalPublished"] and w not in self.snapshots and w not in lost
-        ]
+        with self.lock:
+            lost = self._lost() if self.wipes else set()
+            return [
+                w
+                for w, rec in self.records.items()
+                if rec["terminalPublished"] and w not in self.snapshots and w not in lost
+            ]
 
     def poll(self) -> None:
+        with self.lock:
+            self._poll()
+
+    def _poll(self) -> None:
         self.read()
         self.follow_changes()
         waiting = self.waiting()
@@ -112,17 +150,23 @@ class Tracker:
 
     def follow_changes(self) -> None:
         """Snapshot again the settled workflows that changed since (a step claimed from a killed
-        coordinator can land on a completed workflow), before their retention runs out."""
+        coordinator can land on a completed workflow), before their retention runs out.
+
+        A change is another version or another `createdAt`: events claimed after the workflow
+        expired start a new one (README, "Not promised"), whose first version may be the same number.
+        """
         names = list(self.snapshots)
         try:
             with self.r.pipeline(transaction=False) as pipe:
                 for workflow in names:
-                    pipe.hget(self.keys.state(workflow), "version")
-                versions = pipe.execute()
+                    pipe.hmget(self.keys.state(workflow), ["version", "createdAt"])
+                seen = pipe.execute()
             moved = [
                 w
-                for w, v in zip(names, versions, strict=True)
-                if v is not None and v.decode() != self.snapshots[w].state.get("version")
+                for w, (version, created) in zip(names, seen, strict=True)
+                if version is not None
+                and (version.decode(), (created or b"").decode())
+                != (self.snapshots[w].state.get("version"), self.snapshots[w].state.get("createdAt", ""))
             ]
             if moved:
                 self.snapshots.update(self.snapshot(moved))
@@ -131,9 +175,10 @@ class Tracker:
 
     def refresh(self) -> None:
         """Take the latest view of every snapshotted workflow still in Redis (a late event may have moved it)."""
-        alive = [w for w in self.snapshots if self.r.exists(self.keys.state(w))]
-        for i in range(0, len(alive), 200):
-            self.snapshots.update(self.snapshot(alive[i : i + 200]))
+        with self.lock:
+            alive = [w for w in self.snapshots if self.r.exists(self.keys.state(w))]
+            for i in range(0, len(alive), 200):
+                self.snapshots.update(self.snapshot(alive[i : i + 200]))
 
 
 def events_outstanding(r: redis.Redis, keys: Keys) -> int:
