@@ -54,6 +54,9 @@ def aof_redis():
 
 
 @pytest.mark.timeout(300)
+# Known to fail now and then on a loaded 2-core box for reasons not yet found (see the README's
+# "Known flaky tests"); one rerun, and a second failure fails the suite.
+@pytest.mark.flaky(reruns=1)
 def test_reduced_chaos_run_keeps_every_guarantee(tmp_path) -> None:
     settings = Settings.reduced(workdir=str(tmp_path / "chaos"), seed=SEED, fail_rate=0.3)
     lines: list[str] = []

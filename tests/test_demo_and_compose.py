@@ -8,12 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from mcp_saga.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Known to fail now and then on a loaded 2-core box for reasons not yet found (see the README's
+# "Known flaky tests"); one rerun, and a second failure fails the suite.
+@pytest.mark.flaky(reruns=1)
 def test_saga_demo_shows_baseline_leftovers_and_saga_undoing_them(redis_url: str) -> None:
     env = {**os.environ, "REDIS_URL": redis_url, "COLUMNS": "200"}
     done = subprocess.run(

@@ -113,6 +113,9 @@ def test_a_hung_server_does_not_hold_back_another_servers_compensation(
 
 
 @pytest.mark.timeout(200)
+# Known to fail now and then on a loaded 2-core box for reasons not yet found (see the README's
+# "Known flaky tests"); one rerun, and a second failure fails the suite.
+@pytest.mark.flaky(reruns=1)
 def test_a_deferred_compensation_runs_once_a_slot_is_free_without_using_an_attempt(
     private_redis: RedisServer, tmp_path: Path
 ) -> None:
