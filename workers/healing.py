@@ -15,12 +15,22 @@ is refused moved nothing; one that succeeded is never repeated, since the heartb
 on its own. Nothing is acknowledged meanwhile: a job's result, retry or failure is written only
 once Redis takes it. The one step RQ itself swallows a refusal of (persisting a job's failure, and
 with it the retry it schedules) is preceded by a wait until Redis takes a heartbeat again.
+
+RQ's scheduler is a child process the worker forks, and RQ leaves two gaps around it: a child
+whose worker was SIGKILLed lives on, holding the scheduler lock of the queue, and a worker that
+did not get that lock (its holder was alive, or a dead one's lock had not expired yet) tries
+again only at its next maintenance run, ten minutes later. Retries and deferred jobs wait for a
+scheduler meanwhile. So the scheduler here stops when its worker is gone (its parent changes),
+and the worker looks for a live scheduler every SCHEDULER_CHECK_EVERY seconds while it waits for
+jobs, taking the lock over as soon as it is free.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from mcp_saga.runtime.logs import get_logger
@@ -34,6 +44,9 @@ from rq.scheduler import RQScheduler
 log = get_logger("worker")
 T = TypeVar("T")
 _refused = RateLimitedLog(log)
+# Seconds between a waiting worker's looks for a live scheduler (a lock is one SET NX; the lock of
+# a scheduler that died without releasing it expires `interval + 60` seconds after its last beat).
+SCHEDULER_CHECK_EVERY = 5
 
 
 def wait_out(call: Callable[[], T], stopping: Callable[[], bool], *, idle: bool) -> T:
@@ -65,11 +78,18 @@ class HealingScheduler(RQScheduler):
 
     def work(self) -> None:
         self._install_signal_handlers()
-        stopping = lambda: self._stop_requested  # noqa: E731 - read at each refusal
-        wait_out(self.register_birth, stopping, idle=True)
-        while not self._stop_requested:
-            wait_out(self._round, stopping, idle=True)
-            time.sleep(self.interval)
+        worker = os.getppid()  # forked by the worker: a new parent means the worker is gone
+        orphaned = lambda: os.getppid() != worker  # noqa: E731
+        stopping = lambda: self._stop_requested or orphaned()  # noqa: E731 - read at each refusal
+        try:
+            wait_out(self.register_birth, stopping, idle=True)
+            while not stopping():
+                wait_out(self._round, stopping, idle=True)
+                time.sleep(self.interval)
+        except StopRequested:
+            pass
+        if orphaned():
+            log.warning("scheduler stopping: its worker is gone", worker_pid=worker, queues=",".join(self._queue_names))
         self.stop()
 
     def _round(self) -> None:
@@ -129,8 +149,32 @@ class HealingWorker(SimpleWorker):
         self._idle(super().run_maintenance_tasks)
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):  # type: ignore[no-untyped-def]
+        """RQ's wait for a job, in SCHEDULER_CHECK_EVERY slices with a look at the scheduler between."""
         parent = super().dequeue_job_and_maintain_ttl
-        return self._idle(lambda: parent(timeout, max_idle_time))
+        if timeout is None or self.scheduler is None:  # a burst's one look; a worker without a scheduler
+            return self._idle(lambda: parent(timeout, max_idle_time))
+        idle_since = time.monotonic()
+        while True:
+            self._keep_scheduler()
+            waited = time.monotonic() - idle_since
+            if max_idle_time is not None and waited >= max_idle_time:
+                return None
+            piece = SCHEDULER_CHECK_EVERY
+            if max_idle_time is not None:
+                piece = max(1, min(piece, int(max_idle_time - waited)))
+            result = self._idle(partial(parent, piece, max_idle_time=piece))
+            if result is not None:
+                return result
+
+    def _keep_scheduler(self) -> None:
+        """Start a scheduler when none of this worker's is alive and the queue's lock is free."""
+        scheduler = self.scheduler
+        if scheduler is None or (scheduler._process is not None and scheduler._process.is_alive()):
+            return
+        if scheduler._process is not None:  # it died: reap it, and know it on the next look
+            scheduler._process.join(0)
+        if self._idle(lambda: scheduler.acquire_locks(auto_start=True)):
+            log.info("scheduler started", worker=self.name, queues=",".join(scheduler.acquired_locks))
 
     def _start_scheduler(
         self,
