@@ -69,8 +69,8 @@ class Coordinator:
         self.settings = config.coordinator
         self.keys = config.keys().on(partition)
         self.machine = Machine(config, prefix=config.prefix)
-        self.store = Store(redis, self.keys, self.settings, durability=Durability.of(config.redis))
         self.queue = queue_for(redis if queue is None else queue, self.keys.queue)
+        self.store = Store(redis, self.keys, self.settings, durability=Durability.of(config.redis), queue=self.queue)
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.stopping = False
         self._next_claim = 0.0
@@ -434,8 +434,9 @@ class Coordinator:
     def _alive(self, views: dict[str, WorkflowView], now: float) -> dict[str, set[str]]:
         """workflow -> its due compensations that are not silent, from facts outside its keys.
 
-        Alive: the lease exists (a call in flight), or the job waits in the queue for a free
-        worker. Otherwise the attempt either ended or its worker died. An attempt that ended wrote
+        Alive: the lease exists (a call in flight), or the job waits in the queue's list for a free
+        worker (not merely RQ's `queued`: see Store.signs_of_life). Otherwise the attempt either
+        ended or its worker died. An attempt that ended wrote
         its report with the release of its lease (one pipeline, report first), so while an entry of
         the workflow is pending or entries are not yet delivered, that report may be among them:
         not silent yet. That holds for a job RQ still shows as started too: a routing slip's job

@@ -25,6 +25,7 @@ from mcp_saga.schemas.records import Compensation, comp_decoder, comp_encoder, s
 from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 from redis import Redis
 from redis.client import Pipeline
+from rq import Queue
 from rq.job import Job
 
 LOG_MAXLEN = 10_000
@@ -65,11 +66,19 @@ def load_script(name: str) -> str:
 
 class Store:
     def __init__(
-        self, redis: Redis, keys: Keys, settings: CoordinatorSettings, *, durability: Durability | None = None
+        self,
+        redis: Redis,
+        keys: Keys,
+        settings: CoordinatorSettings,
+        *,
+        durability: Durability | None = None,
+        queue: Queue | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
+        # RQ's queue, whose Redis holds the jobs' records (a standalone one beside a cluster).
+        self.queue = queue if queue is not None else Queue(keys.queue, connection=redis)
         # With it, every commit pipeline ends with WAIT, and a commit too few replicas confirmed
         # raises NotReplicated before anything is dispatched or acknowledged.
         self.durability = durability
@@ -235,18 +244,29 @@ class Store:
         """workflow -> step -> (lease key exists, RQ status of the dispatch's job or '' if gone).
 
         `wanted`: workflow -> (step, job id of its current dispatch), for the steps the watchdog
-        found due. One round trip for all of them.
+        found due. One round trip to each Redis for all of them.
+
+        `queued` is RQ's status from enqueue until a worker marks the job started, and a worker
+        takes it out of the queue's list first: one that dies in between leaves it `queued` in no
+        list a worker reads (RQ's own clean-up finds it at a worker's maintenance, ten to twenty
+        minutes later). So `queued` is returned only for a job that is in the queue's list, waiting
+        for a free worker; one taken out of it and not started says `dequeued`.
         """
-        pipe = self.redis.pipeline(transaction=False)
         rows = [(w, s, j) for w, steps in wanted.items() for s, j in steps]
+        if not rows:
+            return {w: {} for w in wanted}
+        leases = self.redis.pipeline(transaction=False)
+        jobs = self.queue.connection.pipeline(transaction=False)
         for workflow, step, job_id in rows:
-            pipe.exists(self.keys.lease(workflow, step))
-            pipe.hget(Job.key_for(job_id), "status")
-        replies = iter(pipe.execute() if rows else [])
+            leases.exists(self.keys.lease(workflow, step))
+            jobs.hget(Job.key_for(job_id), "status")
+            jobs.lpos(self.queue.key, job_id)
+        held, seen = iter(leases.execute()), iter(jobs.execute())
         found: dict[str, dict[str, tuple[bool, str]]] = {w: {} for w in wanted}
         for workflow, step, _ in rows:
-            alive, status = next(replies), next(replies)
-            found[workflow][step] = (bool(alive), status.decode() if status else "")
+            alive, status, waiting = next(held), next(seen), next(seen)
+            text = status.decode() if status else ""
+            found[workflow][step] = (bool(alive), "dequeued" if text == "queued" and waiting is None else text)
         return found
 
     def collect_garbage(self, now: float | None = None, page: int = 1000, budget: int = 20) -> int:

@@ -26,6 +26,7 @@ FAILPOINTS_ENV = "SAGA_FAILPOINTS"
 POINTS: dict[str, str] = {
     "coordinator.after-commit": "a batch's transitions are committed; nothing dispatched or acknowledged yet",
     "worker.after-call": "a compensating call returned; its report is not written yet",
+    "worker.after-dequeue": "RQ moved a job out of the queue's list; it is not marked started yet",
     "example.after-commit": "an example server committed a forward call's effect; its answer is not sent yet",
 }
 

@@ -291,3 +291,56 @@ def test_the_tracker_follows_a_workflow_restarted_by_events_claimed_after_its_re
     tracker.poll()
     assert tracker.snapshots["w-again"].state["status"] == "running"
     assert set(tracker.snapshots["w-again"].comps) == {"s0"}
+
+
+@pytest.mark.timeout(180)
+def test_a_job_whose_worker_died_after_dequeuing_it_is_dispatched_again(private_redis: RedisServer, tmp_path) -> None:
+    """A worker SIGKILLed between RQ's dequeue and the job's start leaves the job `queued` in no list.
+
+    The reduced chaos run caught this one run in three under load (a worker killed while Redis was
+    full, so the dequeued job's start was refused): the watchdog took RQ's `queued` for a job
+    waiting for a free worker, so the compensation was never dispatched again and the workflow
+    stayed `compensating` past retention ("no settled state", its four keys left). RQ itself
+    recovers such a job only at a worker's maintenance, ten to twenty minutes later.
+    """
+    from mcp_saga.runtime.failpoints import FAILPOINTS_ENV
+    from mcp_saga.runtime.recovery_wire import compensation
+    from mcp_saga.schemas.config import write_config
+    from processes import start_http_servers
+    from rq import Queue
+    from test_worker_faults import arrivals
+
+    seen = tmp_path / "arrivals"
+    r = redis.Redis.from_url(private_redis.url)
+    with start_http_servers(("mcp_saga.examples.trivial",), env={"SAGA_TRIVIAL_ARRIVALS": str(seen)}) as [(_, url)]:
+        settings = {
+            "servers": {"trivial": {"url": url}},
+            "coordinator": {"watchdog_after": 2, "watchdog_every": 0.5, "claim_idle_ms": 1000, "block_ms": 100},
+            "worker": {"lease": 2, "concurrency": 1},
+        }
+        config = write_config(parse_config(settings), tmp_path / "saga.toml")
+        coordinator = saga_process("coordinator", redis_url=private_redis.url, config=config, log=tmp_path / "c.log")
+        doomed = saga_process(
+            "worker", redis_url=private_redis.url, config=config, log=tmp_path / "doomed.log",
+            env={FAILPOINTS_ENV: "worker.after-dequeue=kill"},
+        )  # fmt: skip
+        healthy = None
+        try:
+            recovery = compensation("noop_undo", n="$response.body#/n")
+            done = StepCompleted(step="s1", server="trivial", tool="noop", arguments={"n": 1},
+                                 result={"structuredContent": {"n": 1}}, recovery=recovery)  # fmt: skip
+            r.xadd(K.events, entry_fields("dequeued-1", done))
+            r.xadd(K.events, entry_fields("dequeued-1", WorkflowFailed(reason="boom")))
+            assert doomed.wait(60) == -9, (tmp_path / "doomed.log").read_text()[-3000:]
+            queue = Queue(K.queue, connection=r)
+            (job_id,) = r.lrange(queue.intermediate_queue_key, 0, -1)  # dequeued, in no list a worker reads
+            assert r.hget(f"rq:job:{job_id.decode()}", "status") == b"queued"
+            healthy = saga_process("worker", redis_url=private_redis.url, config=config, log=tmp_path / "w.log")
+            wait_for(lambda: r.hget(K.state("dequeued-1"), "status") == b"compensated", 60, "the unwind to finish")
+        finally:
+            for proc in (coordinator, healthy):
+                if proc is not None:
+                    stop(proc)
+    assert arrivals(seen) == [1]  # undone once, by the dispatch after the lost one
+    log = [e for _, e in r.xrange(K.log("dequeued-1")) if e[b"type"] == b"watchdog-redispatch"]
+    assert len(log) == 1, log

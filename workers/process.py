@@ -26,8 +26,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from mcp_saga.runtime.connect import check_layout, connect, connect_queue
+from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.runtime.metrics import CountingRetry
 from mcp_saga.runtime.redis_checks import check_redis
@@ -54,6 +56,12 @@ class SagaWorker(HealingWorker):
     is `worker_ttl` (seven minutes). Those idle beats are sent at most every HEARTBEAT_EVERY
     seconds; the ones that set a job's TTL (in its own bookkeeping) are always sent.
     """
+
+    def prepare_job_execution(self, job: Any, remove_from_intermediate_queue: bool = False) -> None:
+        # Between RQ's dequeue (the job left the queue's list) and its start, a death leaves the job
+        # `queued` in no list: what the watchdog must not take for a job waiting for a worker.
+        fail_point("worker.after-dequeue")
+        super().prepare_job_execution(job, remove_from_intermediate_queue)
 
     def heartbeat(self, timeout: int | None = None, pipeline: Pipeline | None = None) -> None:
         if timeout is None and time.monotonic() - self._beaten < HEARTBEAT_EVERY:
