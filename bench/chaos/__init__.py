@@ -1,6 +1,6 @@
 """Chaos run: many concurrent workflows while coordinators, workers, an MCP server and Redis die under them.
 
-    python -m bench.chaos [--workflows 500] [--publishers 4] [--kills 5] [--json PATH] [--seed N] [--keep]
+    python -m bench.chaos [--workflows 500] [--publishers 4] [--kills 5] [--json PATH] [--seed N] [--keep] [--cluster]
 
 mcp-saga promises that every committed step of a failed workflow is undone exactly once and that
 nothing is lost or doubled when its own processes die. This run tries to break that with real
@@ -15,6 +15,13 @@ quiescence the promise is checked against the example servers' own SQLite ledger
 happened), the publishers' records (what the orchestrators committed) and Redis (what mcp-saga
 recorded), never against mcp-saga's view alone.
 Then it waits for retention to expire and checks that Redis is back to its baseline.
+
+With `--cluster` (`Settings.reduced_cluster()` in the tests) the same run goes to a local Redis
+Cluster (three primaries with a replica each, three partitions, RQ's queue on a standalone
+redis-server), and instead of the one Redis's restarts, fill and wipe, the primary that holds a
+partition's events stream is SIGKILLed mid-run; its replica takes over. What that primary had
+acknowledged and not yet replicated is lost with it: the verifier counts what the workflows in
+flight on it miss, each with a note, and flags every other loss.
 
 `run_chaos(Settings(...))` is what this command, `bench/soak.py` and `tests/test_chaos.py` call.
 Modules: `model` (Settings, Report), `agents` (publisher processes), `cluster` (processes and

@@ -5,7 +5,7 @@ import argparse
 import asyncio
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.chaos import __doc__ as DOC
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-share", type=float, default=defaults.fail_share, help="share of workflows failing")
     parser.add_argument("--fail-rate", type=float, default=defaults.fail_rate, help="transient compensation errors")
     parser.add_argument("--retention", type=int, default=defaults.retention, help="seconds settled workflows stay")
+    parser.add_argument("--cluster", action="store_true", help="on a local Redis Cluster, a primary SIGKILLed mid-run")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--workdir", help="keep processes' logs and ledgers here")
     parser.add_argument("--keep", action="store_true", help="keep the working directory even when all is well")
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         coordinators=args.coordinators, workers=args.workers, fail_share=args.fail_share, fail_rate=args.fail_rate,
         retention=args.retention, seed=args.seed, workdir=args.workdir, keep=args.keep,
     )  # fmt: skip
+    if args.cluster:  # the one Redis's restarts, fill and wipe do not apply to a cluster's nodes
+        settings = replace(settings, redis_cluster=True, primary_kills=1, redis_restarts=0, fills=0, wipes=0)
     report = run_chaos(settings)
     print_report(report)
     if args.json:

@@ -96,7 +96,9 @@ class Link:
         self.broken.set()
 
 
-async def run_workflow(workflow: str, plan: Plan, links: dict[str, Link], r: Any, settings: Settings) -> dict[str, Any]:
+async def run_workflow(
+    workflow: str, plan: Plan, links: dict[str, Link], r: Any, settings: Settings, config: Any = None
+) -> dict[str, Any]:
     """Run one workflow through the SDK; the record says what was committed and what was published.
 
     `wf.flush()` after each call makes the record exact: the SDK writes a step's event in the
@@ -115,7 +117,7 @@ async def run_workflow(workflow: str, plan: Plan, links: dict[str, Link], r: Any
         return record
     body_done = False
     try:
-        async with mcp_saga.workflow(workflow, redis=r, servers=clients, settle_timeout=10) as wf:
+        async with mcp_saga.workflow(workflow, redis=r, servers=clients, settle_timeout=10, config=config) as wf:
             for i, (server, tool, arguments) in enumerate(plan.steps):
                 if plan.mode == "raise" and plan.fail_at == i:
                     raise AgentGaveUp(f"agent gave up before step {i}")
@@ -151,14 +153,19 @@ async def run_workflow(workflow: str, plan: Plan, links: dict[str, Link], r: Any
 
 async def publish(spec: dict[str, Any]) -> None:
     """One publisher process: `concurrency` workflows at a time, one JSON line per finished workflow."""
-    import redis.asyncio as aioredis
+    from mcp_saga.runtime.connect import connect_async
+    from mcp_saga.schemas.config import Config, RedisSettings
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialWithJitterBackoff
 
     settings = Settings(**spec["settings"])
-    # One client for all workflows, as an agent would have, retrying through a Redis restart.
+    # One client for all workflows, as an agent would have, retrying through a Redis restart. On a
+    # cluster it is redis-py's cluster client, and the SDK routes each workflow's events to its
+    # partition's stream from the config's `[redis]` table.
     retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
-    r = aioredis.Redis.from_url(spec["redis"], retry=retry)
+    where = RedisSettings(**spec.get("redis_settings", {}))
+    config = Config(redis=where) if where.cluster else None
+    r = connect_async(spec["redis"], where, retry=retry)
     links = {name: Link(url) for name, url in spec["urls"].items()}
     owners = [asyncio.create_task(link.own()) for link in links.values()]
     pending = list(reversed(spec["workflows"]))
@@ -169,7 +176,7 @@ async def publish(spec: dict[str, Any]) -> None:
             workflow = pending.pop()
             plan = plan_workflow(random.Random(f"{spec['seed']}:{workflow}"), workflow, settings)
             started = time.time()
-            record = await run_workflow(workflow, plan, links, r, settings)
+            record = await run_workflow(workflow, plan, links, r, settings, config)
             record.update(started=started, ended=time.time())
             out.write(json.dumps(record) + "\n")
 

@@ -16,9 +16,19 @@ from pathlib import Path
 
 import redis
 from mcp_saga.cli.procs import REPO, free_port, saga_process, wait_until_accepting
-from mcp_saga.cli.redis_server import NoRedisError, RedisServer, find_redis_server
+from mcp_saga.cli.redis_server import LocalCluster, NoRedisError, RedisServer, find_redis_server
 from mcp_saga.runtime.failpoints import FAILPOINTS_ENV
-from mcp_saga.schemas.config import Config, CoordinatorSettings, Policy, ServerConfig, WorkerSettings, write_config
+from mcp_saga.schemas.config import (
+    Config,
+    CoordinatorSettings,
+    Policy,
+    RedisSettings,
+    ServerConfig,
+    WorkerSettings,
+    write_config,
+)
+from mcp_saga.schemas.keys import Keys
+from redis.cluster import RedisCluster
 
 from bench.chaos.model import SERVERS, Out, Settings
 
@@ -99,7 +109,12 @@ class Doomed:
 
 
 class Cluster:
-    """Everything the run starts: Redis (AOF), three example servers, coordinators and workers."""
+    """Everything the run starts: Redis (AOF), three example servers, coordinators and workers.
+
+    With `settings.redis_cluster`, Redis is a local Redis Cluster (three primaries, a replica each)
+    holding events and state, and RQ's queue a standalone redis-server beside it, as README
+    "Running on Redis Cluster" deploys it.
+    """
 
     def __init__(self, settings: Settings, workdir: Path, rng: random.Random, out: Out) -> None:
         self.settings, self.workdir, self.rng, self.out = settings, workdir, rng, out
@@ -121,14 +136,23 @@ class Cluster:
         self.oom_refusals = 0  # commands Redis refused with OOM while full (INFO errorstats)
         self._full_until: float | None = None
         self.config = workdir / "saga.toml"
+        self.redis_cluster: LocalCluster | None = None
+        self.queue: RedisServer | None = None  # RQ's standalone Redis, on a cluster
+        self.failovers: list[tuple[float, float, set[int]]] = []  # (killed, healthy, slots), wall clock
 
     def start(self) -> None:
         binary = find_redis_server()
         if binary is None:
             raise NoRedisError("the chaos run needs a redis-server binary")
-        self.redis = RedisServer(binary, appendonly=True, directory=self.workdir / "redis")
-        self.redis.directory.mkdir(exist_ok=True)
-        self.redis.start()
+        if self.settings.redis_cluster:
+            self.redis_cluster = LocalCluster(binary).start()
+            self.queue = RedisServer(binary, directory=self.workdir / "queue")
+            self.queue.directory.mkdir(exist_ok=True)
+            self.queue.start()
+        else:
+            self.redis = RedisServer(binary, appendonly=True, directory=self.workdir / "redis")
+            self.redis.directory.mkdir(exist_ok=True)
+            self.redis.start()
         for name in SERVERS:
             db, log = self.workdir / f"{name}.db", self.workdir / f"{name}.log"
             self.servers[name] = ExampleServer(name, db, self.settings.fail_rate, log)
@@ -141,8 +165,56 @@ class Cluster:
 
     @property
     def url(self) -> str:
+        if self.redis_cluster is not None:
+            return self.redis_cluster.url
         assert self.redis is not None
         return self.redis.url
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(partitions=self.settings.partitions if self.settings.redis_cluster else 1)
+
+    def redis_settings(self) -> RedisSettings:
+        """The config's `[redis]` table: the defaults, or the cluster's with its queue."""
+        if self.queue is None:
+            return RedisSettings()
+        return RedisSettings(cluster=True, queue_url=self.queue.url, partitions=self.settings.partitions)
+
+    def client(self) -> redis.Redis | RedisCluster:
+        """A client for events and state: redis-py's cluster client follows MOVED and failovers itself."""
+        if self.redis_cluster is not None:
+            return RedisCluster.from_url(self.url)
+        return redis.Redis.from_url(self.url)
+
+    def queue_client(self) -> redis.Redis:
+        """A client of the Redis that holds RQ's queue and its workers' records."""
+        return redis.Redis.from_url(self.queue.url if self.queue is not None else self.url)
+
+    def kill_primary(self) -> None:
+        """SIGKILL the primary that holds a partition's events stream, and wait for its replica to take over.
+
+        Not restarted: without persistence a restarted node comes back empty, and the run goes on
+        with one primary that has no replica, as a cluster does until its operator replaces the node.
+        The wall-clock window and the node's slots are kept: the verifier counts what the failover
+        lost (writes the primary acknowledged and had not sent to its replica yet).
+        """
+        assert self.redis_cluster is not None
+        part = self.rng.randrange(self.settings.partitions)
+        with contextlib.closing(RedisCluster.from_url(self.url)) as client:
+            node = client.get_node_from_key(self.keys.on(part).events)
+        victim = next(n for n in self.redis_cluster.nodes if n.port == int(node.port))
+        slots = _slots_of(victim.port)
+        began = time.time()
+        victim.stop(kill=True)
+        # The other nodes go on saying `cluster_state:ok` until they notice the death (node timeout):
+        # the failover is over once a live primary serves the victim's slots and the cluster is healthy.
+        _wait_promoted(self.redis_cluster, victim, slots, 60)
+        self.redis_cluster.wait_healthy(60)
+        ended = time.time()
+        self.failovers.append((began, ended, slots))
+        self.restarts["primary"] += 1
+        self.out(f"  SIGKILL cluster primary :{victim.port} (partition {part}'s stream); its replica took over "
+                 f"after {ended - began:.1f} s")  # fmt: skip
 
     def _config(self) -> Config:
         """mcp-saga's timeouts shortened so that the watchdog, claims and leases all get exercised."""
@@ -162,6 +234,7 @@ class Cluster:
                 retention_attention=s.retention, idle_ttl=s.idle_ttl, outcomes_maxlen=100, dead_letter_maxlen=1000,
                 in_doubt_after=s.in_doubt_after,
             ),
+            redis=self.redis_settings(),
             worker=WorkerSettings(
                 attempts=s.attempts, backoff_base=s.backoff_base, backoff_max=s.backoff_max, lease=s.lease,
                 job_timeout=s.job_timeout, tools_ttl=5,
@@ -221,7 +294,7 @@ class Cluster:
 
     def _busy_worker(self, within: float = 1.0) -> subprocess.Popen[bytes] | None:
         by_name = {self._names[p.pid]: p for p in self.procs["worker"]}
-        r = redis.Redis.from_url(self.url)
+        r = self.queue_client()
         deadline = time.monotonic() + within
         try:
             while time.monotonic() < deadline:
@@ -387,4 +460,40 @@ class Cluster:
             server.stop()
         if self.redis is not None:
             self.redis.stop()
+        if self.redis_cluster is not None:
+            self.redis_cluster.cleanup()  # its nodes' directories are temporary ones
+        if self.queue is not None:
+            self.queue.stop()
+
+
+def _wait_promoted(cluster: LocalCluster, victim: RedisServer, slots: set[int], timeout: float) -> None:
+    """Until a live node other than `victim` serves one of `slots` as a primary."""
+    deadline = time.monotonic() + timeout
+    probe = min(slots)
+    while time.monotonic() < deadline:
+        for node in cluster.nodes:
+            if node is victim or node.process is None or node.process.poll() is not None:
+                continue
+            with contextlib.suppress(redis.RedisError):
+                if probe in _slots_of(node.port):
+                    return
+        time.sleep(0.1)
+    raise NoRedisError(f"no replica took over the slots of :{victim.port} within {timeout:g} s")
+
+
+def _slots_of(port: int) -> set[int]:
+    """The slots the node on `port` serves as a primary (CLUSTER NODES, as that node sees itself)."""
+    with redis.Redis(port=port) as node:
+        lines = node.execute_command("CLUSTER", "NODES")
+    text = lines.decode() if isinstance(lines, bytes) else str(lines)
+    slots: set[int] = set()
+    for line in text.splitlines():
+        fields = line.split()
+        if "myself" in fields[2] and "master" in fields[2]:
+            for part in fields[8:]:
+                if part.startswith("["):
+                    continue  # a slot being migrated
+                first, _, last = part.partition("-")
+                slots.update(range(int(first), int(last or first) + 1))
+    return slots
 
