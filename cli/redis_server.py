@@ -172,6 +172,8 @@ class LocalCluster:
     Started the way an operator would: each node a `redis-server --cluster-enabled yes`, joined by
     `redis-cli --cluster create ... --cluster-replicas N --cluster-yes`. A short node timeout lets
     a replica take over within seconds of its primary's death (what the failover tests rely on).
+    `start` returns once every replica holds its primary's data: a replica still in its first sync
+    cannot be promoted, and its primary's slots would stay down.
     """
 
     binary: str
@@ -189,8 +191,9 @@ class LocalCluster:
         cli = find_redis_cli(self.binary)
         if cli is None:
             raise NoRedisError("redis-cli not found: it creates the cluster (apt-get install redis-tools)")
+        # A diskless first sync waits 5 s by default for more replicas to join it: none will.
         extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                 "--cluster-node-timeout", str(self.node_timeout_ms)]  # fmt: skip
+                 "--cluster-node-timeout", str(self.node_timeout_ms), "--repl-diskless-sync-delay", "0"]  # fmt: skip
         try:
             for _ in range(self.primaries * (1 + self.replicas)):
                 self.nodes.append(RedisServer(self.binary, port=cluster_port(), extra=extra).start())
@@ -200,10 +203,35 @@ class LocalCluster:
             if done.returncode != 0:
                 raise NoRedisError(f"redis-cli --cluster create failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
             self.wait_healthy(timeout)
+            self.wait_synced(timeout)
         except BaseException:
             self.cleanup()
             raise
         return self
+
+    def wait_synced(self, timeout: float = 30.0) -> None:
+        """Until every live replica has its primary's data (link up, no sync in progress)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pending = []
+            for node in self.nodes:
+                if node.process is None or node.process.poll() is not None:
+                    continue
+                try:
+                    with redis.Redis(port=node.port) as client:
+                        info = client.info("replication")
+                except redis.RedisError as exc:
+                    pending.append(f"{node.port}: {exc}")
+                    continue
+                if info.get("role") == "slave" and (
+                    info.get("master_link_status") != "up" or info.get("master_sync_in_progress")
+                ):
+                    pending.append(f"{node.port}: link {info.get('master_link_status')}")
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise NoRedisError(f"replicas not in sync within {timeout} s: {', '.join(pending)}")
+            time.sleep(0.1)
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         """Until every live node says `cluster_state:ok` and knows the same number of primaries."""
