@@ -307,9 +307,6 @@ def own_cluster() -> Iterator[Any]:
 
 
 @pytest.mark.timeout(240)
-# Known to fail now and then on a loaded 2-core box for reasons not yet found (see the README's
-# "Known flaky tests"); one rerun, and a second failure fails the suite.
-@pytest.mark.flaky(reruns=1)
 def test_an_unwind_in_flight_finishes_last_first_when_a_cluster_primary_dies(own_cluster: Any, tmp_path: Path) -> None:
     """SIGKILL the primary holding a failing workflow's keys mid-unwind; its replica takes the slots over.
 

@@ -23,6 +23,11 @@ from test_worker_job import FAST, K, start_worker, write_config
 LOCK = f"rq:scheduler-lock:{K.queue}"
 
 
+def schedulers(worker: int) -> list[int]:
+    """The worker's scheduler children (spawned: multiprocessing's resource tracker is a child too)."""
+    return [pid for pid in children(worker) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -38,7 +43,7 @@ def test_the_scheduler_of_a_sigkilled_worker_stops_and_frees_its_lock(
     config = write_config(tmp_path / "saga.toml", {}, worker=FAST)
     first = start_worker(private_redis.url, config, "w-first", tmp_path / "first.log")
     try:
-        [scheduler] = wait_for(lambda: children(first.pid) or None, 60, "the scheduler child")
+        [scheduler] = wait_for(lambda: schedulers(first.pid) or None, 60, "the scheduler child")
         wait_for(lambda: r.get(LOCK), 30, "the scheduler lock")
     finally:
         stop(first, sig=signal.SIGKILL)
@@ -61,7 +66,7 @@ def test_a_worker_that_found_the_lock_taken_runs_the_scheduler_once_it_is_free(
         wait_for(lambda: job.get_status(refresh=True) == JobStatus.FINISHED, 60, "the scheduled job to run")
         holder = r.get(LOCK)
         assert holder is not None and holder != b"a-scheduler-that-died"
-        assert children(worker.pid)  # the scheduler it started
+        assert schedulers(worker.pid)  # the scheduler it started
     finally:
         assert stop(worker) == 0
     assert "scheduler started" in (tmp_path / "worker.log").read_text()
@@ -71,7 +76,7 @@ def test_a_stopped_worker_stops_its_scheduler_too(private_redis: RedisServer, tm
     r = redis.Redis.from_url(private_redis.url)
     config = write_config(tmp_path / "saga.toml", {}, worker=FAST)
     worker = start_worker(private_redis.url, config, "w-term", tmp_path / "worker.log")
-    [scheduler] = wait_for(lambda: children(worker.pid) or None, 60, "the scheduler child")
+    [scheduler] = wait_for(lambda: schedulers(worker.pid) or None, 60, "the scheduler child")
     assert stop(worker) == 0
     wait_for(lambda: not alive(scheduler), 10, "the scheduler to exit with its worker")
     assert r.get(LOCK) is None

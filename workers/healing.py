@@ -27,19 +27,24 @@ jobs, taking the lock over as soon as it is free.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
 from functools import partial
+from multiprocessing import get_context
+from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
-from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.runtime.redis_checks import MAX_REFUSAL_BACKOFF, RateLimitedLog, healing_condition
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from rq import SimpleWorker
 from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
 from rq.exceptions import StopRequested
-from rq.scheduler import RQScheduler
+from rq.logutils import setup_loghandlers
+from rq.scheduler import RQScheduler, run
 
 log = get_logger("worker")
 T = TypeVar("T")
@@ -74,11 +79,33 @@ def wait_out(call: Callable[[], T], stopping: Callable[[], bool], *, idle: bool)
 
 
 class HealingScheduler(RQScheduler):
-    """RQ's scheduler loop with each round waited out; the child process outlives a full Redis."""
+    """RQ's scheduler loop with each round waited out; the child process outlives a full Redis.
+
+    RQ forks the child from a worker that already runs its slot threads and session loop, so the
+    child inherits every lock one of them held at that instant (a logging or metrics lock, a
+    connection pool's) with no thread left to release it. It is spawned here instead: a fresh
+    interpreter (about 0.7 s, once per worker) that receives the scheduler pickled, as RQ does on
+    platforms without fork.
+    """
+
+    def __init__(self, *args: Any, logging_level: str | int = "INFO", **kwargs: Any) -> None:
+        super().__init__(*args, logging_level=logging_level, **kwargs)
+        self._log_setup = (logging_level, kwargs.get("date_format"), kwargs.get("log_format"))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What holds a connection or a process handle stays in the worker; the child makes its own.
+        return {**self.__dict__, "_process": None, "_connection": None, "_scheduled_job_registries": []}
+
+    def start(self) -> BaseProcess:
+        self._status = self.Status.STARTED
+        self._worker_pid = os.getpid()  # pickled with it: the child may be slower to look than the worker to die
+        self._process = get_context("spawn").Process(target=run_scheduler, args=(self,), name="Scheduler")
+        self._process.start()
+        return self._process
 
     def work(self) -> None:
         self._install_signal_handlers()
-        worker = os.getppid()  # forked by the worker: a new parent means the worker is gone
+        worker = getattr(self, "_worker_pid", None) or os.getppid()  # a new parent: the worker is gone
         orphaned = lambda: os.getppid() != worker  # noqa: E731
         stopping = lambda: self._stop_requested or orphaned()  # noqa: E731 - read at each refusal
         try:
@@ -91,6 +118,17 @@ class HealingScheduler(RQScheduler):
         if orphaned():
             log.warning("scheduler stopping: its worker is gone", worker_pid=worker, queues=",".join(self._queue_names))
         self.stop()
+
+    def set_up_logs(self) -> None:
+        """The child's own log set-up: a spawned interpreter starts with none."""
+        level, date_format, log_format = self._log_setup
+        configure(logging.getLevelName(level) if isinstance(level, int) else level)
+        setup_loghandlers(
+            level=level,
+            name=self.log.name,
+            date_format=date_format or DEFAULT_LOGGING_DATE_FORMAT,
+            log_format=log_format or DEFAULT_LOGGING_FORMAT,
+        )
 
     def _round(self) -> None:
         # Lock and heartbeat are one script call each; moving due jobs is one MULTI per batch.
@@ -106,6 +144,12 @@ class HealingScheduler(RQScheduler):
             if healing_condition(exc) is None:
                 raise
             log.warning("scheduler stopped without releasing its lock: redis refused the write", error=str(exc)[:200])
+
+
+def run_scheduler(scheduler: HealingScheduler) -> None:
+    """The spawned child's entry point: RQ's own `run`, after the logs are set up."""
+    scheduler.set_up_logs()
+    run(scheduler)
 
 
 class HealingWorker(SimpleWorker):
@@ -175,6 +219,17 @@ class HealingWorker(SimpleWorker):
             scheduler._process.join(0)
         if self._idle(lambda: scheduler.acquire_locks(auto_start=True)):
             log.info("scheduler started", worker=self.name, queues=",".join(scheduler.acquired_locks))
+
+    def stop_scheduler(self) -> None:
+        """RQ's stop (SIGTERM, join), then the locks let go of here too: a child stopped before it
+        installed its handlers did not. A lock another scheduler holds by now stays (compare-and-delete)."""
+        super().stop_scheduler()
+        if self.scheduler is not None:
+            scheduler = self.scheduler
+            try:
+                scheduler.release_locks()
+            except (ResponseError, RedisConnectionError) as exc:  # it expires within a minute
+                log.warning("scheduler lock not released", worker=self.name, error=str(exc)[:200])
 
     def _start_scheduler(
         self,
