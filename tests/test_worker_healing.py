@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -149,3 +150,35 @@ def test_a_full_redis_is_waited_out_by_every_slot_and_the_scheduler(private_redi
         for proc in procs:
             assert stop(proc) == 0
         stop(server)
+
+
+def test_a_retry_whose_status_write_is_refused_is_waited_out_and_keeps_its_budget(
+    private_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RQ's `Job.retry` writes the job's `scheduled` status outside the failure's pipeline: an OOM
+    there escaped `handle_job_failure` and RQ's loop quit ("found an unhandled exception"). The
+    reduced chaos run caught a worker's every slot ending that way while Redis was held full; the
+    heartbeat waited for before it had been taken, and the next write was refused. The refusal is
+    waited out, and the retry counts once."""
+    from mcp_saga.workers.healing import HealingWorker
+    from redis.exceptions import OutOfMemoryError
+    from rq import Retry
+    from rq.job import Job, JobStatus
+
+    queue = Queue("heal", connection=private_redis)
+    job = queue.enqueue("builtins.len", "x", retry=Retry(max=2, interval=[30, 30]))
+    worker = HealingWorker([queue], connection=private_redis, name="heal-1")
+    real, refused = Job.set_status, []
+
+    def refuse_once(self: Job, status: JobStatus, pipeline: Any = None) -> None:
+        if status == JobStatus.SCHEDULED and not refused:
+            refused.append(status)
+            raise OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+        real(self, status, pipeline=pipeline)
+
+    monkeypatch.setattr(Job, "set_status", refuse_once)
+    worker.handle_job_failure(job, queue, exc_string="boom")
+    assert refused
+    job.refresh()
+    assert job.get_status() == JobStatus.SCHEDULED and job.retries_left == 1
+    assert job.id in queue.scheduled_job_registry

@@ -301,4 +301,14 @@ class HealingWorker(SimpleWorker):
         # RQ logs and drops a refusal of this MULTI (and the retry it schedules): wait until Redis
         # takes a write first, so that the failure and its retry are kept.
         self._busy(lambda: SimpleWorker.heartbeat(self))
-        super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
+        # A retry writes the job's `scheduled` status outside the MULTI, and Redis may refuse that
+        # write even right after the heartbeat was taken (the heartbeat itself can fill it): RQ lets
+        # the refusal out of its loop, which ends. It is waited out too; the MULTI was not sent, so
+        # the whole failure is handled again, with the retry budget as it was before.
+        parent, left = super().handle_job_failure, job.retries_left
+
+        def attempt() -> None:
+            job.retries_left = left
+            parent(job, queue, started_job_registry, exc_string, execution)
+
+        self._busy(attempt)
