@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             ("gateway overhead", lambda: gateway.rows(url, rounds=max(5, int(20 * scale)))),
             (
                 "metrics and tracing cost",
-                lambda: observability.rows(url, workflows=int(300 * scale), jobs=int(600 * scale), repeat=3),
+                lambda: observability.rows(url, workflows=int(300 * scale), jobs=int(300 * scale), rounds=7),
             ),
         ]
         for title, run in parts:
