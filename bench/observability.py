@@ -329,6 +329,10 @@ def attempt_cpu_rows(url: str, jobs: int, rounds: int) -> list[Row]:
                 ]
             return jobs_
 
+        from opentelemetry import trace
+
+        provider = trace.get_tracer_provider()
+
         def measure(mode: str) -> Any:
             def one() -> float:
                 batch = planted(per, 0.1 if mode == "tenth" else 1.0)
@@ -336,6 +340,7 @@ def attempt_cpu_rows(url: str, jobs: int, rounds: int) -> list[Row]:
                     started = time.process_time()
                     for each in batch:
                         job._Attempt(context, each, None).run()
+                    provider.force_flush()  # this round's spans exported in it, not in another mode's round
                     return (time.process_time() - started) / per * 1e6
 
             return one
@@ -347,10 +352,6 @@ def attempt_cpu_rows(url: str, jobs: int, rounds: int) -> list[Row]:
         batch = planted(jobs)
 
         def hooks(off: bool) -> Any:
-            from opentelemetry import trace
-
-            provider = trace.get_tracer_provider()
-
             def one() -> float:
                 with worker_hooks_off() if off else nullcontext():
                     started = time.process_time()
