@@ -332,6 +332,7 @@ def hotspots(profile: cProfile.Profile, top: int) -> str:
 
 def measure(url: str, workflows: int, steps: int, repeat: int, profile_top: int) -> tuple[list[Row], dict[str, Any]]:
     redis = Redis.from_url(url)
+    consumer.tune_gc()  # as `saga coordinator` does at start (the baseline loop allocates next to nothing)
     try:
         entries = workload(workflows, steps)
         config = parse_config({"prefix": PREFIX, "coordinator": {"block_ms": 5}})
