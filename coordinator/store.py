@@ -344,10 +344,11 @@ class Store:
         """Drop index and deadline entries whose workflow expired (its keys are gone).
 
         An index entry's score is when its workflow entered that status, and a workflow in it
-        lives at most that status's retention (idle TTL for the unsettled ones) after its last
-        change: so only entries older than that can be gone, and they sit at the low end of the
-        sorted set. Each sweep reads them a page at a time, up to `budget` pages, so the work
-        follows the rate workflows expire at instead of a fixed slice of every index.
+        lives at least that status's retention (idle TTL for the unsettled ones) after its last
+        change (a running one up to TTL_SLACK_PARTS-th of it longer): so only entries older than
+        that can be gone, and they sit at the low end of the sorted set; one still alive is kept.
+        Each sweep reads them a page at a time, up to `budget` pages, so the work follows the
+        rate workflows expire at instead of a fixed slice of every index.
         """
         now = time.time() if now is None else now
         removed = 0
