@@ -51,6 +51,12 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
+def user_system(pid: int) -> tuple[int, int]:
+    """A process's user and system CPU so far, in clock ticks: over a whole run, how much is the kernel's."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])
+
+
 @dataclass
 class Rounds:
     """Per-round figures: seconds per call each way, and the gateway's CPU seconds per call in its rounds."""
@@ -58,6 +64,7 @@ class Rounds:
     direct: list[float]
     gateway: list[float]
     gateway_cpu: list[float]
+    kernel_share: float = 0.0  # of the gateway's CPU over the whole run (warm-up included)
 
     @property
     def ratios(self) -> list[float]:
@@ -130,7 +137,11 @@ def timings(redis_url: str, *, calls: int, rounds: int, intents: bool = True, pr
                 spy = _profiler(gateway.pid, profile)
                 time.sleep(1.0)  # attached before the rounds start
             url = f"http://127.0.0.1:{port}/mcp/bench"
-            return asyncio.run(measure(upstream, url, calls, rounds, lambda: cpu_ns(gateway.pid)))
+            user, system = user_system(gateway.pid)
+            measured = asyncio.run(measure(upstream, url, calls, rounds, lambda: cpu_ns(gateway.pid)))
+            user, system = (now - then for now, then in zip(user_system(gateway.pid), (user, system), strict=True))
+            measured.kernel_share = system / ((user + system) or 1)
+            return measured
         finally:
             if spy is not None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its output when interrupted
@@ -196,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'ratio, median of rounds':28}{ratio:10.3f}   quartiles {low:.3f}-{high:.3f}")
     print(f"{'':28}{'':10}   range {min(ratios):.3f}-{max(ratios):.3f}")
     print(f"{'gateway CPU ms/call':28}{cpu * 1000:10.3f}   rounds {min(cpus):.3f}-{max(cpus):.3f}")
-    print(f"{'gateway CPU / direct call':28}{cpu / direct:10.3f}")
+    print(f"{'gateway CPU / direct call':28}{cpu / direct:10.3f}   {measured.kernel_share:.0%} of it in the kernel")
     print("rounds' ratios: " + " ".join(f"{r:.2f}" for r in ratios))
 
 
