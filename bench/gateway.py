@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.publisher import DELAY
@@ -58,17 +59,23 @@ def user_system(pid: int) -> tuple[int, int]:
 
 
 @dataclass
+class Side:
+    """One gateway's per-round figures: seconds per call through it, and its CPU seconds per call."""
+
+    times: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    kernel_share: float = 0.0  # of its CPU over the whole run (warm-up included)
+
+
+@dataclass
 class Rounds:
-    """Per-round figures: seconds per call each way, and the gateway's CPU seconds per call in its rounds."""
+    """Seconds per direct call in each round, and each gateway's figures in the same rounds."""
 
     direct: list[float]
-    gateway: list[float]
-    gateway_cpu: list[float]
-    kernel_share: float = 0.0  # of the gateway's CPU over the whole run (warm-up included)
+    gateways: dict[str, Side]
 
-    @property
-    def ratios(self) -> list[float]:
-        return [through / direct for direct, through in zip(self.direct, self.gateway, strict=True)]
+    def ratios(self, name: str) -> list[float]:
+        return [through / direct for direct, through in zip(self.direct, self.gateways[name].times, strict=True)]
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -76,36 +83,46 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return low, median, high
 
 
-async def measure(direct_url: str, gateway_url: str, calls: int, rounds: int, cpu: Callable[[], int]) -> Rounds:
+async def measure(
+    direct_url: str, gateways: dict[str, tuple[str, Callable[[], int]]], calls: int, rounds: int
+) -> Rounds:
+    """`gateways`: name -> (URL, its CPU counter). Each round runs the direct batch and one batch per
+    gateway back to back, the order rotating from round to round (AB, BA, ... with one gateway)."""
     from mcp import Client
     from mcp_saga.schemas.events import WORKFLOW_META_KEY
 
-    async with Client(direct_url) as direct, Client(gateway_url) as gateway:
+    async with contextlib.AsyncExitStack() as stack:
+        direct = await stack.enter_async_context(Client(direct_url))
+        clients = {name: await stack.enter_async_context(Client(url)) for name, (url, _) in gateways.items()}
 
-        async def run(client: Client, round_no: int) -> float:
-            meta = {WORKFLOW_META_KEY: f"bench-{round_no}"} if client is gateway else None
+        async def run(client: Client, round_no: int, through: bool) -> float:
+            meta = {WORKFLOW_META_KEY: f"bench-{round_no}"} if through else None
             start = time.perf_counter()
             for n in range(calls):
                 await client.call_tool("work", {"n": n}, meta=meta)
             return (time.perf_counter() - start) / calls
 
-        async def through(round_no: int) -> tuple[float, float]:
-            before = cpu()
-            seconds = await run(gateway, round_no)
-            return seconds, (cpu() - before) / 1e9 / calls
+        result = Rounds([], {name: Side() for name in gateways})
 
-        await run(direct, -1)  # warm-up: sessions, connections, the gateway's tools/list cache
-        await through(-1)
-        result = Rounds([], [], [])
+        async def batch(side: str, round_no: int) -> None:
+            if side == "direct":
+                seconds = await run(direct, round_no, False)
+                if round_no >= 0:
+                    result.direct.append(seconds)
+                return
+            cpu = gateways[side][1]
+            before = cpu()
+            seconds = await run(clients[side], round_no, True)
+            if round_no >= 0:
+                result.gateways[side].times.append(seconds)
+                result.gateways[side].cpu.append((cpu() - before) / 1e9 / calls)
+
+        order = ["direct", *gateways]
+        for side in order:  # warm-up: sessions, connections, the gateways' tools/list caches
+            await batch(side, -1)
         for i in range(rounds):
-            if i % 2:
-                seconds, spent = await through(i)
-                result.direct.append(await run(direct, i))
-            else:
-                result.direct.append(await run(direct, i))
-                seconds, spent = await through(i)
-            result.gateway.append(seconds)
-            result.gateway_cpu.append(spent)
+            for side in order[i % len(order) :] + order[: i % len(order)]:
+                await batch(side, i)
     return result
 
 
@@ -119,45 +136,71 @@ def _profiler(pid: int, out: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(command, stdout=subprocess.DEVNULL)
 
 
-def timings(redis_url: str, *, calls: int, rounds: int, intents: bool = True, profile: Path | None = None) -> Rounds:
+def timings(
+    redis_url: str,
+    *,
+    calls: int,
+    rounds: int,
+    intents: bool = True,
+    loops: tuple[str, ...] = ("asyncio",),
+    profile: Path | None = None,
+) -> Rounds:
+    """One gateway per event loop in `loops` (named by it), all before one upstream, measured in the same rounds."""
     import redis
     from mcp_saga.cli.procs import free_port, saga_process, start_http_server, stop, wait_until_accepting
     from mcp_saga.schemas.config import parse_config, write_config
 
-    with start_http_server("bench.publisher", "--serve") as (_, upstream), tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        gateway_settings = {"port": port, "allow_anonymous": True, "intents": intents}
-        settings = {"servers": {"bench": {"url": upstream}}, "gateway": gateway_settings}
-        config = write_config(parse_config({"prefix": PREFIX, **settings}), Path(tmp) / "saga.toml")
-        gateway = saga_process("gateway", redis_url=redis_url, config=config, env={"SAGA_LOG_LEVEL": "WARNING"})
-        spy = None
-        try:
-            wait_until_accepting("127.0.0.1", port, gateway)
-            if profile is not None:
-                spy = _profiler(gateway.pid, profile)
-                time.sleep(1.0)  # attached before the rounds start
-            url = f"http://127.0.0.1:{port}/mcp/bench"
-            user, system = user_system(gateway.pid)
-            measured = asyncio.run(measure(upstream, url, calls, rounds, lambda: cpu_ns(gateway.pid)))
-            user, system = (now - then for now, then in zip(user_system(gateway.pid), (user, system), strict=True))
-            measured.kernel_share = system / ((user + system) or 1)
-            return measured
-        finally:
-            if spy is not None:
+    with (
+        start_http_server("bench.publisher", "--serve") as (_, upstream),
+        tempfile.TemporaryDirectory() as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        processes, urls = {}, {}
+        for loop in loops:
+            port = free_port()
+            gateway_settings = {"port": port, "allow_anonymous": True, "intents": intents, "loop": loop}
+            settings = {"servers": {"bench": {"url": upstream}}, "gateway": gateway_settings}
+            config = write_config(parse_config({"prefix": PREFIX, **settings}), Path(tmp) / f"{loop}.toml")
+            env = {"SAGA_LOG_LEVEL": "WARNING"}
+            processes[loop] = process = saga_process("gateway", redis_url=redis_url, config=config, env=env)
+            stack.callback(stop, process)
+            wait_until_accepting("127.0.0.1", port, process)
+            urls[loop] = f"http://127.0.0.1:{port}/mcp/bench"
+        if profile is not None:
+            spy = _profiler(processes[loops[0]].pid, profile)
+
+            def stop_profiler() -> None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its output when interrupted
                 spy.wait(30)
-            stop(gateway)
+
+            stack.callback(stop_profiler)
+            time.sleep(1.0)  # attached before the rounds start
+        try:
+            before = {loop: user_system(process.pid) for loop, process in processes.items()}
+            counters = {loop: (urls[loop], _cpu_counter(process.pid)) for loop, process in processes.items()}
+            measured = asyncio.run(measure(upstream, counters, calls, rounds))
+            for loop, process in processes.items():
+                user, system = (now - then for now, then in zip(user_system(process.pid), before[loop], strict=True))
+                measured.gateways[loop].kernel_share = system / ((user + system) or 1)
+            return measured
+        finally:
             client = redis.Redis.from_url(redis_url)
             client.delete(f"{PREFIX}:events")
             client.close()
 
 
+def _cpu_counter(pid: int) -> Callable[[], int]:
+    return lambda: cpu_ns(pid)
+
+
 def rows(redis_url: str, *, calls: int = 100, rounds: int = 15) -> list[Row]:
     """The suite's rows: the median of paired rounds' ratios (through / direct), and the gateway's CPU per call."""
     measured = timings(redis_url, calls=calls, rounds=rounds)
-    low, ratio, high = quartiles(measured.ratios)
-    direct, through = statistics.median(measured.direct) * 1000, statistics.median(measured.gateway) * 1000
-    cpu = statistics.median(measured.gateway_cpu) * 1000
+    (loop,) = measured.gateways
+    side = measured.gateways[loop]
+    low, ratio, high = quartiles(measured.ratios(loop))
+    direct, through = statistics.median(measured.direct) * 1000, statistics.median(side.times) * 1000
+    cpu = statistics.median(side.cpu) * 1000
     tool = f"{DELAY * 1000:g} ms tool"
     return [
         Row(
@@ -182,33 +225,44 @@ def rows(redis_url: str, *, calls: int = 100, rounds: int = 15) -> list[Row]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=100, help="calls per round each way")
-    parser.add_argument("--rounds", type=int, default=15, help="paired rounds (at least 7)")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds (at least 7)")
     parser.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL, else a private one")
     parser.add_argument("--no-intents", action="store_true", help="[gateway] intents = false: no awaited intent")
-    parser.add_argument("--profile", type=Path, help="py-spy output of the gateway (.svg flame graph, .txt raw)")
+    parser.add_argument(
+        "--loops", default=None, help="one gateway per [gateway] loop named (comma-separated), in the same rounds"
+    )
+    parser.add_argument(
+        "--profile", type=Path, help="py-spy output of the (first) gateway (.svg flame graph, .txt raw)"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 7:
         parser.error("--rounds: at least 7, so the median and quartiles of the ratios mean something")
     from mcp_saga.cli.redis_server import resolve_redis
+    from mcp_saga.schemas.config import GatewaySettings
 
+    loops = tuple(args.loops.split(",")) if args.loops else (GatewaySettings().loop,)
     load = os.getloadavg()[0]
     with resolve_redis(args.redis) as url:
-        measured = timings(url, calls=args.calls, rounds=args.rounds, intents=not args.no_intents, profile=args.profile)
-    ratios = measured.ratios
-    low, ratio, high = quartiles(ratios)
-    direct, through = statistics.median(measured.direct), statistics.median(measured.gateway)
-    cpu = statistics.median(measured.gateway_cpu)
-    cpus = [c * 1000 for c in measured.gateway_cpu]
-    print(f"tool sleeps {DELAY * 1000:g} ms, streamable HTTP, {args.rounds} paired rounds (AB, BA, ...)")
-    print(f"of {args.calls} calls each way; intents {'off' if args.no_intents else 'on'}")
-    print(f"load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at the end")
+        measured = timings(
+            url, calls=args.calls, rounds=args.rounds, intents=not args.no_intents, loops=loops, profile=args.profile
+        )
+    direct = statistics.median(measured.direct)
+    order = "AB, BA, ..." if len(loops) == 1 else "order rotating"
+    print(f"tool sleeps {DELAY * 1000:g} ms, streamable HTTP, {args.rounds} rounds ({order}) of {args.calls} calls")
+    print(f"each way; intents {'off' if args.no_intents else 'on'}; load average {load:.2f} at start, ", end="")
+    print(f"{os.getloadavg()[0]:.2f} at the end")
     print(f"{'direct call ms':28}{direct * 1000:10.3f}   (median round)")
-    print(f"{'through gateway ms':28}{through * 1000:10.3f}   (median round)")
-    print(f"{'ratio, median of rounds':28}{ratio:10.3f}   quartiles {low:.3f}-{high:.3f}")
-    print(f"{'':28}{'':10}   range {min(ratios):.3f}-{max(ratios):.3f}")
-    print(f"{'gateway CPU ms/call':28}{cpu * 1000:10.3f}   rounds {min(cpus):.3f}-{max(cpus):.3f}")
-    print(f"{'gateway CPU / direct call':28}{cpu / direct:10.3f}   {measured.kernel_share:.0%} of it in the kernel")
-    print("rounds' ratios: " + " ".join(f"{r:.2f}" for r in ratios))
+    for loop, side in measured.gateways.items():
+        ratios = measured.ratios(loop)
+        low, ratio, high = quartiles(ratios)
+        cpu, cpus = statistics.median(side.cpu), [c * 1000 for c in side.cpu]
+        print(f"gateway on the {loop} loop:")
+        print(f"{'  through gateway ms':28}{statistics.median(side.times) * 1000:10.3f}   (median round)")
+        print(f"{'  ratio, median of rounds':28}{ratio:10.3f}   quartiles {low:.3f}-{high:.3f}")
+        print(f"{'':28}{'':10}   range {min(ratios):.3f}-{max(ratios):.3f}")
+        print(f"{'  gateway CPU ms/call':28}{cpu * 1000:10.3f}   rounds {min(cpus):.3f}-{max(cpus):.3f}")
+        print(f"{'  gateway CPU / direct call':28}{cpu / direct:10.3f}   {side.kernel_share:.0%} of it in the kernel")
+        print("  rounds' ratios: " + " ".join(f"{r:.2f}" for r in ratios))
 
 
 if __name__ == "__main__":
