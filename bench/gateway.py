@@ -14,7 +14,9 @@ neither side always gets the warmer core; the figure is the median of the rounds
 their spread. Beside it, the gateway process's CPU per call (its threads' time on a CPU, from
 `/proc/PID/task/*/schedstat`, in nanoseconds), which load stretches much less than wall-clock:
 what the gateway adds to a call on a free core is about that CPU plus the intent's round trip.
-`--profile` records the gateway with py-spy during the measured rounds (py-spy must be installed).
+`--profile` records the gateway with py-spy during the measured rounds (py-spy must be installed), only
+while it holds the GIL: its CPU work, not its waits. `--loops asyncio,uvloop` runs one gateway per
+event loop, and `--base-python` one more of an earlier version, all in the same rounds.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def _profiler(pid: int, out: Path) -> subprocess.Popen[bytes]:
     spy = shutil.which("py-spy")
     if spy is None:
         raise SystemExit("--profile needs py-spy (pip install py-spy)")
-    command = [spy, "record", "--pid", str(pid), "--output", str(out), "--rate", "250", "--nonblocking"]
+    command = [spy, "record", "--pid", str(pid), "--output", str(out), "--rate", "250", "--nonblocking", "--gil"]
     if out.suffix == ".txt":
         command += ["--format", "raw"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL)
@@ -144,6 +146,7 @@ def timings(
     intents: bool = True,
     loops: tuple[str, ...] = ("asyncio",),
     profile: Path | None = None,
+    base_python: str | None = None,
 ) -> Rounds:
     """One gateway per event loop in `loops` (named by it), all before one upstream, measured in the same rounds."""
     import redis
@@ -158,11 +161,19 @@ def timings(
         processes, urls = {}, {}
         for loop in loops:
             port = free_port()
-            gateway_settings = {"port": port, "allow_anonymous": True, "intents": intents, "loop": loop}
+            gateway_settings: dict[str, object] = {"port": port, "allow_anonymous": True, "intents": intents}
+            if loop != "base":
+                gateway_settings["loop"] = loop
             settings = {"servers": {"bench": {"url": upstream}}, "gateway": gateway_settings}
             config = write_config(parse_config({"prefix": PREFIX, **settings}), Path(tmp) / f"{loop}.toml")
             env = {"SAGA_LOG_LEVEL": "WARNING"}
-            processes[loop] = process = saga_process("gateway", redis_url=redis_url, config=config, env=env)
+            if loop == "base":  # an earlier version, installed for `base_python`, on its default loop
+                environment = {**os.environ, "REDIS_URL": redis_url, "SAGA_CONFIG": str(config), **env}
+                command = [base_python or "python", "-m", "mcp_saga.cli", "gateway"]
+                process = subprocess.Popen(command, cwd=tmp, env=environment, stdout=subprocess.DEVNULL)
+            else:
+                process = saga_process("gateway", redis_url=redis_url, config=config, env=env)
+            processes[loop] = process
             stack.callback(stop, process)
             wait_until_accepting("127.0.0.1", port, process)
             urls[loop] = f"http://127.0.0.1:{port}/mcp/bench"
@@ -232,6 +243,10 @@ def main(argv: list[str] | None = None) -> None:
         "--loops", default=None, help="one gateway per [gateway] loop named (comma-separated), in the same rounds"
     )
     parser.add_argument(
+        "--base-python",
+        help="one more gateway, `base`, run by this interpreter (a venv with an earlier version installed)",
+    )
+    parser.add_argument(
         "--profile", type=Path, help="py-spy output of the (first) gateway (.svg flame graph, .txt raw)"
     )
     args = parser.parse_args(argv)
@@ -241,10 +256,17 @@ def main(argv: list[str] | None = None) -> None:
     from mcp_saga.schemas.config import GatewaySettings
 
     loops = tuple(args.loops.split(",")) if args.loops else (GatewaySettings().loop,)
+    loops = (*loops, "base") if args.base_python else loops
     load = os.getloadavg()[0]
     with resolve_redis(args.redis) as url:
         measured = timings(
-            url, calls=args.calls, rounds=args.rounds, intents=not args.no_intents, loops=loops, profile=args.profile
+            url,
+            calls=args.calls,
+            rounds=args.rounds,
+            intents=not args.no_intents,
+            loops=loops,
+            profile=args.profile,
+            base_python=args.base_python,
         )
     direct = statistics.median(measured.direct)
     order = "AB, BA, ..." if len(loops) == 1 else "order rotating"
@@ -256,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         ratios = measured.ratios(loop)
         low, ratio, high = quartiles(ratios)
         cpu, cpus = statistics.median(side.cpu), [c * 1000 for c in side.cpu]
-        print(f"gateway on the {loop} loop:")
+        print("gateway of --base-python:" if loop == "base" else f"gateway on the {loop} loop:")
         print(f"{'  through gateway ms':28}{statistics.median(side.times) * 1000:10.3f}   (median round)")
         print(f"{'  ratio, median of rounds':28}{ratio:10.3f}   quartiles {low:.3f}-{high:.3f}")
         print(f"{'':28}{'':10}   range {min(ratios):.3f}-{max(ratios):.3f}")
