@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,6 +172,8 @@ class LocalCluster:
     Started the way an operator would: each node a `redis-server --cluster-enabled yes`, joined by
     `redis-cli --cluster create ... --cluster-replicas N --cluster-yes`. A short node timeout lets
     a replica take over within seconds of its primary's death (what the failover tests rely on).
+    `start` returns once every replica holds its primary's data: a replica still in its first sync
+    cannot be promoted, and its primary's slots would stay down.
     """
 
     binary: str
@@ -189,8 +191,9 @@ class LocalCluster:
         cli = find_redis_cli(self.binary)
         if cli is None:
             raise NoRedisError("redis-cli not found: it creates the cluster (apt-get install redis-tools)")
+        # A diskless first sync waits 5 s by default for more replicas to join it: none will.
         extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                 "--cluster-node-timeout", str(self.node_timeout_ms)]  # fmt: skip
+                 "--cluster-node-timeout", str(self.node_timeout_ms), "--repl-diskless-sync-delay", "0"]  # fmt: skip
         try:
             for _ in range(self.primaries * (1 + self.replicas)):
                 self.nodes.append(RedisServer(self.binary, port=cluster_port(), extra=extra).start())
@@ -200,26 +203,52 @@ class LocalCluster:
             if done.returncode != 0:
                 raise NoRedisError(f"redis-cli --cluster create failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
             self.wait_healthy(timeout)
+            self.wait_synced(timeout)
         except BaseException:
             self.cleanup()
             raise
         return self
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
-        """Until every live node says `cluster_state:ok` and knows the same number of primaries."""
+        """Until every live node says `cluster_state:ok`."""
+
+        def problem(client: redis.Redis) -> str | None:
+            state = client.cluster("info").get("cluster_state")
+            return None if state == "ok" else f"cluster_state {state}"
+
+        self._wait_nodes(problem, timeout, "the cluster did not become healthy")
+
+    def wait_synced(self, timeout: float = 30.0) -> None:
+        """Until every live replica has its primary's data (link up, no sync in progress)."""
+
+        def problem(client: redis.Redis) -> str | None:
+            info = client.info("replication")
+            if info.get("role") == "slave" and (
+                info.get("master_link_status") != "up" or info.get("master_sync_in_progress")
+            ):
+                return f"replica link {info.get('master_link_status')}"
+            return None
+
+        self._wait_nodes(problem, timeout, "replicas not in sync")
+
+    def _wait_nodes(self, problem: Callable[[redis.Redis], str | None], timeout: float, what: str) -> None:
+        """Poll every live node until `problem` finds nothing wrong with any."""
         deadline = time.monotonic() + timeout
         while True:
-            states = []
+            found = []
             for node in self.nodes:
                 if node.process is None or node.process.poll() is not None:
                     continue
-                with contextlib.suppress(redis.RedisError), redis.Redis(port=node.port) as client:
-                    info = client.cluster("info")
-                    states.append(info.get("cluster_state") == "ok")
-            if states and all(states):
+                try:
+                    with redis.Redis(port=node.port) as client:
+                        if (why := problem(client)) is not None:
+                            found.append(f"{node.port}: {why}")
+                except redis.RedisError as exc:
+                    found.append(f"{node.port}: {exc}")
+            if not found:
                 return
             if time.monotonic() > deadline:
-                raise NoRedisError(f"the cluster did not become healthy within {timeout} s")
+                raise NoRedisError(f"{what} within {timeout} s: {', '.join(found)}")
             time.sleep(0.1)
 
     def cleanup(self) -> None:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -283,6 +283,16 @@ def _encode(payload: Payload) -> bytes:
 NOT_REPLICATED_RETRY_FOR = 5.0
 
 
+def _resend_waits() -> Iterator[float]:
+    """The waits before each re-send of an event too few replicas confirmed: 0.05 s doubling to 1 s,
+    for NOT_REPLICATED_RETRY_FOR seconds, and at least one re-send however long the first send took."""
+    deadline, delay = time.monotonic() + NOT_REPLICATED_RETRY_FOR, 0.05
+    yield delay
+    while time.monotonic() < deadline:
+        delay = min(delay * 2, 1.0)
+        yield delay
+
+
 class _Base:
     """`partitions` must match the deployment's `[redis] partitions`: each event goes to the stream
     of its workflow's partition (`Keys.partition_of`, CLUSTER KEYSLOT mod the count).
@@ -320,7 +330,7 @@ class Publisher(_Base):
         stream = self.stream_for(workflow)
         if self.durability is None:
             return _entry_id(self.redis.xadd(stream, entry))  # type: ignore[arg-type]
-        deadline, delay = time.monotonic() + NOT_REPLICATED_RETRY_FOR, 0.05
+        waits = _resend_waits()
         while True:
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(stream, entry)  # type: ignore[arg-type]
@@ -330,10 +340,10 @@ class Publisher(_Base):
                 self.durability.check(acknowledged, what)
                 return _entry_id(entry_id)
             except NotReplicated:
-                if time.monotonic() >= deadline:
+                wait = next(waits, None)
+                if wait is None:
                     raise
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            time.sleep(wait)
 
     def step_completed(
         self,
@@ -382,7 +392,7 @@ class AsyncPublisher(_Base):
         stream = self.stream_for(workflow)
         if self.durability is None:
             return _entry_id(await self.redis.xadd(stream, entry))  # type: ignore[arg-type]
-        deadline, delay = time.monotonic() + NOT_REPLICATED_RETRY_FOR, 0.05
+        waits = _resend_waits()
         while True:
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(stream, entry)  # type: ignore[arg-type]
@@ -392,10 +402,10 @@ class AsyncPublisher(_Base):
                 self.durability.check(acknowledged, what)
                 return _entry_id(entry_id)
             except NotReplicated:
-                if time.monotonic() >= deadline:
+                wait = next(waits, None)
+                if wait is None:
                     raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            await asyncio.sleep(wait)
 
     async def step_completed(
         self,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis
 from mcp_saga.cli.redis_server import RedisServer
-from processes import start_http_servers, stop, wait_for
+from processes import log_tails, start_http_servers, stop, wait_for
 from test_worker_job import FAST, K, plan, reports, start_worker, write_config
 
 NOOP = {"tool": "noop", "operation": "noop_undo"}
@@ -134,7 +134,14 @@ def test_a_deferred_compensation_runs_once_a_slot_is_free_without_using_an_attem
             plan(r, f"slow-{n}", "s", {"n": n}, server="slow", worker=settings, **NOOP)
         worker = start_worker(redis_url, config, "w-defer", tmp_path / "worker.log")
         try:
-            wait_for(lambda: all(reports(r, f"slow-{n}") for n in (1, 2)), 120, "both compensations")
+            try:
+                wait_for(lambda: all(reports(r, f"slow-{n}") for n in (1, 2)), 120, "both compensations")
+            except AssertionError as exc:
+                found = {n: reports(r, f"slow-{n}") for n in (1, 2)}
+                scheduled = r.zrange(f"rq:scheduled:{K.queue}", 0, -1, withscores=True)
+                lock = r.get(f"rq:scheduler-lock:{K.queue}")
+                detail = f"reports {found}, scheduled {scheduled}, lock {lock}, arrivals {arrivals(seen)}"
+                raise AssertionError(f"{exc}: {detail}\n{log_tails(tmp_path / 'worker.log', size=6000)}") from None
         finally:
             stop(worker)
     assert "compensation deferred" in (tmp_path / "worker.log").read_text()  # one waited for the other

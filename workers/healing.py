@@ -15,25 +15,43 @@ is refused moved nothing; one that succeeded is never repeated, since the heartb
 on its own. Nothing is acknowledged meanwhile: a job's result, retry or failure is written only
 once Redis takes it. The one step RQ itself swallows a refusal of (persisting a job's failure, and
 with it the retry it schedules) is preceded by a wait until Redis takes a heartbeat again.
+
+RQ's scheduler is a child process the worker forks, and RQ leaves two gaps around it: a child
+whose worker was SIGKILLed lives on, holding the scheduler lock of the queue, and a worker that
+did not get that lock (its holder was alive, or a dead one's lock had not expired yet) tries
+again only at its next maintenance run, ten minutes later. Retries and deferred jobs wait for a
+scheduler meanwhile. So the scheduler here stops when its worker is gone (its parent changes),
+and the worker looks for a live scheduler every SCHEDULER_CHECK_EVERY seconds while it waits for
+jobs, taking the lock over as soon as it is free.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable
+from functools import partial
+from multiprocessing import get_context
+from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
-from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.runtime.redis_checks import MAX_REFUSAL_BACKOFF, RateLimitedLog, healing_condition
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from rq import SimpleWorker
 from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
 from rq.exceptions import StopRequested
-from rq.scheduler import RQScheduler
+from rq.logutils import setup_loghandlers
+from rq.scheduler import RQScheduler, run
 
 log = get_logger("worker")
 T = TypeVar("T")
 _refused = RateLimitedLog(log)
+# Seconds between a waiting worker's looks for a live scheduler (a lock is one SET NX; the lock of
+# a scheduler that died without releasing it expires `interval + 60` seconds after its last beat).
+SCHEDULER_CHECK_EVERY = 5
 
 
 def wait_out(call: Callable[[], T], stopping: Callable[[], bool], *, idle: bool) -> T:
@@ -61,16 +79,56 @@ def wait_out(call: Callable[[], T], stopping: Callable[[], bool], *, idle: bool)
 
 
 class HealingScheduler(RQScheduler):
-    """RQ's scheduler loop with each round waited out; the child process outlives a full Redis."""
+    """RQ's scheduler loop with each round waited out; the child process outlives a full Redis.
+
+    RQ forks the child from a worker that already runs its slot threads and session loop, so the
+    child inherits every lock one of them held at that instant (a logging or metrics lock, a
+    connection pool's) with no thread left to release it. It is spawned here instead: a fresh
+    interpreter (about 0.7 s, once per worker) that receives the scheduler pickled, as RQ does on
+    platforms without fork.
+    """
+
+    def __init__(self, *args: Any, logging_level: str | int = "INFO", **kwargs: Any) -> None:
+        super().__init__(*args, logging_level=logging_level, **kwargs)
+        self._log_setup = (logging_level, kwargs.get("date_format"), kwargs.get("log_format"))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What holds a connection or a process handle stays in the worker; the child makes its own.
+        return {**self.__dict__, "_process": None, "_connection": None, "_scheduled_job_registries": []}
+
+    def start(self) -> BaseProcess:
+        self._status = self.Status.STARTED
+        self._worker_pid = os.getpid()  # pickled with it: the child may be slower to look than the worker to die
+        self._process = get_context("spawn").Process(target=run_scheduler, args=(self,), name="Scheduler")
+        self._process.start()
+        return self._process
 
     def work(self) -> None:
         self._install_signal_handlers()
-        stopping = lambda: self._stop_requested  # noqa: E731 - read at each refusal
-        wait_out(self.register_birth, stopping, idle=True)
-        while not self._stop_requested:
-            wait_out(self._round, stopping, idle=True)
-            time.sleep(self.interval)
+        worker = getattr(self, "_worker_pid", None) or os.getppid()  # a new parent: the worker is gone
+        orphaned = lambda: os.getppid() != worker  # noqa: E731
+        stopping = lambda: self._stop_requested or orphaned()  # noqa: E731 - read at each refusal
+        try:
+            wait_out(self.register_birth, stopping, idle=True)
+            while not stopping():
+                wait_out(self._round, stopping, idle=True)
+                time.sleep(self.interval)
+        except StopRequested:
+            pass
+        if orphaned():
+            log.warning("scheduler stopping: its worker is gone", worker_pid=worker, queues=",".join(self._queue_names))
         self.stop()
+
+    def set_up_logs(self) -> None:
+        """The child's own log set-up: a spawned interpreter starts with none."""
+        level, date_format, log_format = self._log_setup
+        configure(logging.getLevelName(level) if isinstance(level, int) else level)
+        setup_loghandlers(
+            level=level,
+            name=self.log.name,
+            date_format=date_format or DEFAULT_LOGGING_DATE_FORMAT,
+            log_format=log_format or DEFAULT_LOGGING_FORMAT,
+        )
 
     def _round(self) -> None:
         # Lock and heartbeat are one script call each; moving due jobs is one MULTI per batch.
@@ -86,6 +144,12 @@ class HealingScheduler(RQScheduler):
             if healing_condition(exc) is None:
                 raise
             log.warning("scheduler stopped without releasing its lock: redis refused the write", error=str(exc)[:200])
+
+
+def run_scheduler(scheduler: HealingScheduler) -> None:
+    """The spawned child's entry point: RQ's own `run`, after the logs are set up."""
+    scheduler.set_up_logs()
+    run(scheduler)
 
 
 class HealingWorker(SimpleWorker):
@@ -129,8 +193,43 @@ class HealingWorker(SimpleWorker):
         self._idle(super().run_maintenance_tasks)
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):  # type: ignore[no-untyped-def]
+        """RQ's wait for a job, in SCHEDULER_CHECK_EVERY slices with a look at the scheduler between."""
         parent = super().dequeue_job_and_maintain_ttl
-        return self._idle(lambda: parent(timeout, max_idle_time))
+        if timeout is None or self.scheduler is None:  # a burst's one look; a worker without a scheduler
+            return self._idle(lambda: parent(timeout, max_idle_time))
+        idle_since = time.monotonic()
+        while True:
+            self._keep_scheduler()
+            waited = time.monotonic() - idle_since
+            if max_idle_time is not None and waited >= max_idle_time:
+                return None
+            piece = SCHEDULER_CHECK_EVERY
+            if max_idle_time is not None:
+                piece = max(1, min(piece, int(max_idle_time - waited)))
+            result = self._idle(partial(parent, piece, max_idle_time=piece))
+            if result is not None:
+                return result
+
+    def _keep_scheduler(self) -> None:
+        """Start a scheduler when none of this worker's is alive and the queue's lock is free."""
+        scheduler = self.scheduler
+        if scheduler is None or (scheduler._process is not None and scheduler._process.is_alive()):
+            return
+        if scheduler._process is not None:  # it died: reap it, and know it on the next look
+            scheduler._process.join(0)
+        if self._idle(lambda: scheduler.acquire_locks(auto_start=True)):
+            log.info("scheduler started", worker=self.name, queues=",".join(scheduler.acquired_locks))
+
+    def stop_scheduler(self) -> None:
+        """RQ's stop (SIGTERM, join), then the locks let go of here too: a child stopped before it
+        installed its handlers did not. A lock another scheduler holds by now stays (compare-and-delete)."""
+        super().stop_scheduler()
+        if self.scheduler is not None:
+            scheduler = self.scheduler
+            try:
+                scheduler.release_locks()
+            except (ResponseError, RedisConnectionError) as exc:  # it expires within a minute
+                log.warning("scheduler lock not released", worker=self.name, error=str(exc)[:200])
 
     def _start_scheduler(
         self,
