@@ -12,6 +12,7 @@ known, a report already counted change nothing.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -558,7 +559,8 @@ class Machine:
             elif comp.via:  # no RQ retry behind a step of a slip: `advance` dispatches it again,
                 # due after the backoff any attempt waits (the job is held until then, see _dispatch)
                 comp.status, comp.via = "pending", ""
-                comp.retry_at = now + self.config.worker.backoff(comp.spent - 1, _spread(comp))
+                # (a whole second: what RQ's scheduler keeps, so silence counts from when it runs)
+                comp.retry_at = math.ceil(now + self.config.worker.backoff(comp.spent - 1, _spread(comp)))
             else:
                 comp.status = "running"
                 # RQ parks the next attempt for its backoff: no report and no lease until then.

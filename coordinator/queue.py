@@ -8,6 +8,7 @@ twice (RQ would otherwise overwrite the job and run it twice).
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from datetime import UTC, datetime
@@ -58,8 +59,10 @@ def enqueue(queue: Queue, job: CompensationJob, settings: WorkerSettings) -> boo
         "meta": {"workflow": job.workflow, "step": job.step},
     }
     try:
-        if job.not_before > time.time():  # a backoff to wait out first: RQ's scheduler releases it
-            queue.enqueue_at(datetime.fromtimestamp(job.not_before, UTC), JOB_FUNCTION, job_payload(job), **options)
+        # A backoff to wait out first: RQ's scheduler releases it. RQ keeps whole seconds (it drops
+        # the fraction, which would cut the wait short): so the next whole second.
+        if (due := math.ceil(job.not_before)) > time.time():
+            queue.enqueue_at(datetime.fromtimestamp(due, UTC), JOB_FUNCTION, job_payload(job), **options)
         else:
             queue.enqueue(JOB_FUNCTION, job_payload(job), **options)
     except DuplicateJobError:

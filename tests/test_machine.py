@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.schemas.config import parse_config
@@ -352,7 +354,7 @@ def test_a_routing_slip_carries_the_rest_and_a_failure_takes_it_back(machine: Ma
     assert (again.step, again.dispatch, again.attempts_used, [m.step for m in again.then]) == ("b", 2, 1, ["a"])
     assert view.comps["a"].via == again.job_id and view.comps["a"].dispatch == 2
     worker = machine.config.worker
-    assert 100.0 + worker.backoff(0, -1) <= again.not_before <= 100.0 + worker.backoff(0, 1)
+    assert 100.0 + worker.backoff(0, -1) <= again.not_before <= math.ceil(100.0 + worker.backoff(0, 1))
     assert again.not_before > 100.0 and [m.not_before for m in again.then] == [0.0]  # a rides in b's job
     # the watchdog counts silence from when the held job is due, not from its dispatch
     assert machine.silent_until(view.comps["b"]) == again.not_before + machine.settings.watchdog_after
