@@ -189,7 +189,7 @@ def compared(
     met = None
     if target:
         met = ratio >= TARGET if higher_is_better else ratio <= 1 / TARGET
-    return Row(name, value, baseline, target, met, median_ratio=ratio, spread=(q1, q3))
+    return Row(name, value, baseline, target, met, paired=ratio, spread=(q1, q3))
 
 
 def base_row(name: str, runs: Runs, mode: str) -> Row:
@@ -458,7 +458,7 @@ def attempt_cpu_rows(url: str, jobs: int, rounds: int) -> list[Row]:
             statistics.median(runs["off"]),
             f"<= {1 - TARGET:.2f}",
             share <= 1 - TARGET,
-            median_ratio=share,
+            paired=share,
             spread=(q1, q3),
         ),
     ]

@@ -17,15 +17,15 @@ class Row:
     baseline: float | None
     target: str
     met: bool | None
-    # Set where the ratio is the median of per-round ratios (interleaved rounds, see
-    # bench/observability.py) rather than value / baseline; `spread` is their quartiles.
-    median_ratio: float | None = None
+    # The median of paired rounds' own ratios, where a bench pairs them: under load it is steadier than
+    # the ratio of the two medians, so it is the ratio shown. `spread`: those ratios' quartiles.
+    paired: float | None = None
     spread: tuple[float, float] | None = None
 
     @property
     def ratio(self) -> float | None:
-        if self.median_ratio is not None:
-            return self.median_ratio
+        if self.paired is not None:
+            return self.paired
         return self.value / self.baseline if self.baseline else None
 
     def as_dict(self) -> dict[str, object]:
