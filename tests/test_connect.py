@@ -71,7 +71,6 @@ def test_the_config_form_is_the_same_url_and_both_at_once_is_a_mistake() -> None
         ({"wait_replicas": -1}, r"redis\.wait_replicas"),
         ({"wait_timeout_ms": 0}, r"redis\.wait_timeout_ms"),
         ({"cluster": True, "queue_url": "redis://q:1/0", "sentinels": ["h:1"], "master": "m"}, "keep one"),
-        ({"cluster": True, "queue_url": "redis://q:1/0", "wait_replicas": 1}, "not supported with cluster"),
     ],
 )
 def test_config_mistakes_name_the_field(section: dict, says: str) -> None:
