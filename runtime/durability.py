@@ -28,6 +28,7 @@ the coordinator treated as acknowledged is missing after the confirmed replica i
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ import redis
 import redis.asyncio
 from mcp_saga.schemas.config import RedisSettings
 from redis.cluster import RedisCluster
-from redis.exceptions import AskError, ResponseError, TryAgainError
+from redis.exceptions import AskError, RedisClusterException, RedisError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -124,7 +125,8 @@ class Writes:
         except TOPOLOGY_ERRORS as exc:
             if self.durability is None or not isinstance(self.client, RedisCluster):
                 raise
-            self.client.nodes_manager.initialize()
+            with contextlib.suppress(RedisError, RedisClusterException):  # no node answers yet: next time
+                self.client.nodes_manager.initialize()
             raise topology_changed(exc) from exc
         finally:
             self._pipes.clear()

@@ -50,7 +50,7 @@ from mcp_saga.schemas.pointer import format_pointer
 from mcp_saga.schemas.records import forward_key
 from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 from pydantic import BaseModel
-from redis.exceptions import TryAgainError
+from redis.exceptions import RedisClusterException, RedisError, TryAgainError
 
 if TYPE_CHECKING:
     import redis
@@ -415,7 +415,8 @@ class AsyncPublisher(_Base):
             except TOPOLOGY_ERRORS:  # a failover or resharding (see runtime/durability.py)
                 if node is self.redis:
                     raise
-                await self.redis.nodes_manager.initialize()
+                with contextlib.suppress(RedisError, RedisClusterException):  # no node answers yet: next time
+                    await self.redis.nodes_manager.initialize()
                 wait = next(waits, None)
                 if wait is None:
                     raise
