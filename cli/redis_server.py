@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,45 +209,46 @@ class LocalCluster:
             raise
         return self
 
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Until every live node says `cluster_state:ok`."""
+
+        def problem(client: redis.Redis) -> str | None:
+            state = client.cluster("info").get("cluster_state")
+            return None if state == "ok" else f"cluster_state {state}"
+
+        self._wait_nodes(problem, timeout, "the cluster did not become healthy")
+
     def wait_synced(self, timeout: float = 30.0) -> None:
         """Until every live replica has its primary's data (link up, no sync in progress)."""
+
+        def problem(client: redis.Redis) -> str | None:
+            info = client.info("replication")
+            if info.get("role") == "slave" and (
+                info.get("master_link_status") != "up" or info.get("master_sync_in_progress")
+            ):
+                return f"replica link {info.get('master_link_status')}"
+            return None
+
+        self._wait_nodes(problem, timeout, "replicas not in sync")
+
+    def _wait_nodes(self, problem: Callable[[redis.Redis], str | None], timeout: float, what: str) -> None:
+        """Poll every live node until `problem` finds nothing wrong with any."""
         deadline = time.monotonic() + timeout
         while True:
-            pending = []
+            found = []
             for node in self.nodes:
                 if node.process is None or node.process.poll() is not None:
                     continue
                 try:
                     with redis.Redis(port=node.port) as client:
-                        info = client.info("replication")
+                        if (why := problem(client)) is not None:
+                            found.append(f"{node.port}: {why}")
                 except redis.RedisError as exc:
-                    pending.append(f"{node.port}: {exc}")
-                    continue
-                if info.get("role") == "slave" and (
-                    info.get("master_link_status") != "up" or info.get("master_sync_in_progress")
-                ):
-                    pending.append(f"{node.port}: link {info.get('master_link_status')}")
-            if not pending:
+                    found.append(f"{node.port}: {exc}")
+            if not found:
                 return
             if time.monotonic() > deadline:
-                raise NoRedisError(f"replicas not in sync within {timeout} s: {', '.join(pending)}")
-            time.sleep(0.1)
-
-    def wait_healthy(self, timeout: float = 30.0) -> None:
-        """Until every live node says `cluster_state:ok` and knows the same number of primaries."""
-        deadline = time.monotonic() + timeout
-        while True:
-            states = []
-            for node in self.nodes:
-                if node.process is None or node.process.poll() is not None:
-                    continue
-                with contextlib.suppress(redis.RedisError), redis.Redis(port=node.port) as client:
-                    info = client.cluster("info")
-                    states.append(info.get("cluster_state") == "ok")
-            if states and all(states):
-                return
-            if time.monotonic() > deadline:
-                raise NoRedisError(f"the cluster did not become healthy within {timeout} s")
+                raise NoRedisError(f"{what} within {timeout} s: {', '.join(found)}")
             time.sleep(0.1)
 
     def cleanup(self) -> None:
