@@ -252,7 +252,8 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str, 
     )
     why = f"the lease is held by {held_by}" if held_by else f"{job.server} is using every slot it may have"
     log.info(
-        "compensation deferred: " + why,
+        "compensation deferred",
+        reason=why,
         workflow=job.workflow,
         step=job.step,
         dispatch=job.dispatch,
