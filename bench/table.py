@@ -17,9 +17,14 @@ class Row:
     baseline: float | None
     target: str
     met: bool | None
+    # The median of paired rounds' own ratios, where a bench pairs them: under load it is steadier than
+    # the ratio of the two medians, so it is the ratio shown.
+    paired: float | None = None
 
     @property
     def ratio(self) -> float | None:
+        if self.paired is not None:
+            return self.paired
         return self.value / self.baseline if self.baseline else None
 
     def as_dict(self) -> dict[str, object]:

@@ -207,6 +207,8 @@ class GatewaySettings(_Strict):
     # Write each call's intent (step-started) and have Redis acknowledge it before forwarding, so
     # that a call whose answer is lost is settled in the unwind; off saves that round trip per call.
     intents: bool = True
+    # The HTTP side's event loop: "uvloop" (libuv's, needs the uvloop package) or asyncio's own.
+    loop: Literal["asyncio", "uvloop"] = "asyncio"
 
     @model_validator(mode="after")
     def _anonymous_on_loopback(self) -> GatewaySettings:
