@@ -12,24 +12,41 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from importlib import resources
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 from mcp_saga.coordinator.machine import WorkflowView
-from mcp_saga.runtime.connect import Lua
+from mcp_saga.runtime.connect import Lua, is_cluster
 from mcp_saga.runtime.durability import Durability, Writes
 from mcp_saga.runtime.reader import decode_records
 from mcp_saga.schemas.config import CoordinatorSettings
-from mcp_saga.schemas.keys import STATUSES, Keys
+from mcp_saga.schemas.keys import STATUSES, Keys, key_slot
 from mcp_saga.schemas.records import Compensation, comp_decoder, comp_encoder, state_from_hash
 from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 from redis import Redis
+from redis.connection import Connection
+from redis.exceptions import NoScriptError
 from rq.job import Job
 
 LOG_MAXLEN = 10_000
+# record_steps.lua leaves a running workflow's TTL alone while more than its idle TTL is left, and
+# gives it the TTL plus this fraction of it when it renews: one EXPIRE per key in that many steps.
+TTL_SLACK_PARTS = 1000
 DeadEntry = tuple[bytes, dict[bytes, bytes], str]  # id, original fields, reason
 # One workflow's line for index.lua: workflow, createdAt, version, status, score, deadline.
 IndexItem = tuple[str, str, int, str, str, str]
+
+
+StepBatches = dict[str, tuple[int, list[tuple[Compensation, bytes, list[TimelineEntry]]]]]
+
+
+class InFlight(NamedTuple):
+    """record_steps' calls sent by `Store.record_ahead`, their replies not read yet."""
+
+    connection: Connection
+    batches: StepBatches
+    now: float
+    calls: list[tuple[list[str], list[str], list[Any]]]
 
 
 class Recorded(NamedTuple):
@@ -72,6 +89,7 @@ class Store:
         # With it, every commit pipeline ends with WAIT, and a commit too few replicas confirmed
         # raises NotReplicated before anything is dispatched or acknowledged.
         self.durability = durability
+        self.cluster = is_cluster(redis)
         self._apply = Lua(redis, load_script("apply.lua"))
         self._record_steps = Lua(redis, load_script("record_steps.lua"))
         self._index = Lua(redis, load_script("index.lua"))
@@ -155,9 +173,7 @@ class Store:
             [msgspec.structs.replace(o, id=f"{base}/{n}").to_fields() for n, o in enumerate(view.outcomes)]
         )
 
-    def record_steps(
-        self, batches: dict[str, tuple[int, list[tuple[Compensation, bytes, list[TimelineEntry]]]]], now: float
-    ) -> dict[str, Recorded | None]:
+    def record_steps(self, batches: StepBatches, now: float) -> dict[str, Recorded | None]:
         """Record new steps of workflows believed running, without loading them first.
 
         workflow -> (the step count the records were numbered from, the planned steps). Returns
@@ -166,19 +182,93 @@ class Store:
         those events through the compare-and-set path.
         """
         writes = Writes(self.redis, self.durability)
-        ttl = self.settings.idle_ttl
-        for workflow, (expected, steps) in batches.items():
-            args: list[str | bytes | int] = [f"{now:.6f}", ttl, LOG_MAXLEN, expected, len(steps)]
-            for comp, raw, entries in steps:
-                args += (comp.step, comp_encoder.encode(comp), raw, len(entries))
-                args += flat_entries(entries)
-            keys = self.keys.workflow_keys(workflow)
+        groups = self._record_calls(batches, now)
+        for _, keys, args in groups:  # each call's keys are in one slot
             self._record_steps(keys=keys, args=args, client=writes.pipe(keys[0]))
-        replies = writes.execute("coordinator steps")
-        return {
-            workflow: Recorded(bool(reply[1]), len(steps), int(reply[2]), float(reply[3])) if reply[0] else None
-            for (workflow, (_, steps)), reply in zip(batches.items(), replies, strict=True)
-        }
+        return self._recorded(batches, groups, writes.execute("coordinator steps"))
+
+    def _record_calls(self, batches: StepBatches, now: float) -> list[tuple[list[str], list[str], list[Any]]]:
+        """record_steps.lua's calls: (workflows, keys, args), one per slot (on one Redis: one for the batch)."""
+        slots: dict[int, list[str]] = {}
+        for workflow in batches:
+            slots.setdefault(key_slot(self.keys.state(workflow)) if self.cluster else 0, []).append(workflow)
+        ttl = self.settings.idle_ttl
+        calls = []
+        for workflows in slots.values():
+            keys: list[str] = []
+            args: list[Any] = [f"{now:.6f}", ttl, ttl // TTL_SLACK_PARTS, LOG_MAXLEN]
+            for workflow in workflows:
+                expected, steps = batches[workflow]
+                keys += self.keys.workflow_keys(workflow)
+                args += (expected, len(steps))
+                for comp, raw, entries in steps:
+                    args += (comp.step, comp_encoder.encode(comp), raw, len(entries))
+                    if entries:
+                        args += flat_entries(entries)
+            calls.append((workflows, keys, args))
+        return calls
+
+    @staticmethod
+    def _recorded(
+        batches: StepBatches, calls: list[tuple[list[str], list[str], list[Any]]], replies: list[Any]
+    ) -> dict[str, Recorded | None]:
+        found: dict[str, Recorded | None] = {}
+        for (workflows, _, _), reply in zip(calls, replies, strict=True):
+            for workflow, one in zip(workflows, reply, strict=True):
+                count = len(batches[workflow][1])
+                found[workflow] = Recorded(bool(one[1]), count, int(one[2]), float(one[3])) if one[0] else None
+        return found
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether `record_ahead` may be used: one Redis, and no WAIT to append to the commit."""
+        return not self.cluster and self.durability is None
+
+    def record_ahead(self, ahead: tuple[Any, ...], batches: StepBatches, now: float) -> tuple[Any, InFlight]:
+        """Send the command `ahead` and then `record_steps`' calls in one write, on a connection of
+        their own; return `ahead`'s reply as soon as it is read, and the recording to `collect`.
+
+        The coordinator sends the next read ahead of a batch's commit: Redis answers it first and
+        then runs the scripts, while the coordinator plans the batch it just read.
+        """
+        calls = self._record_calls(batches, now) if batches else []
+        sha = self._record_steps.sha
+        pool = self.redis.connection_pool
+        connection = pool.get_connection()
+        try:
+            commands = [ahead, *(("EVALSHA", sha, len(keys), *keys, *args) for _, keys, args in calls)]
+            connection.send_packed_command(connection.pack_commands(commands))
+            reply = self.redis.parse_response(connection, str(ahead[0]))
+        except BaseException:
+            connection.disconnect()
+            pool.release(connection)
+            raise
+        return reply, InFlight(connection, batches, now, calls)
+
+    def collect(self, flight: InFlight) -> dict[str, Recorded | None]:
+        """The replies of what `record_ahead` sent; a script Redis did not have is loaded and run again."""
+        pool = self.redis.connection_pool
+        replies: list[Any] = []
+        missing = False
+        try:
+            for _ in flight.calls:
+                try:
+                    replies.append(flight.connection.read_response())
+                except NoScriptError:  # a restart or SCRIPT FLUSH: the synchronous path loads it
+                    replies.append(None)
+                    missing = True
+        except BaseException:
+            flight.connection.disconnect()
+            raise
+        finally:
+            pool.release(flight.connection)
+        if missing:
+            done = [(call, r) for call, r in zip(flight.calls, replies, strict=True) if r is not None]
+            found = self._recorded(flight.batches, [c for c, _ in done], [r for _, r in done])
+            lost = [ws for (ws, _, _), r in zip(flight.calls, replies, strict=True) if r is None]
+            again = {w: flight.batches[w] for ws in lost for w in ws}
+            return found | self.record_steps(again, flight.now)
+        return self._recorded(flight.batches, flight.calls, replies)
 
     def follow_up(self, items: list[IndexItem], views: list[WorkflowView], dead: list[DeadEntry]) -> None:
         """What lives outside the workflows' slots: indexes and deadlines, outcomes, dead letters.
@@ -243,10 +333,11 @@ class Store:
         """Drop index and deadline entries whose workflow expired (its keys are gone).
 
         An index entry's score is when its workflow entered that status, and a workflow in it
-        lives at most that status's retention (idle TTL for the unsettled ones) after its last
-        change: so only entries older than that can be gone, and they sit at the low end of the
-        sorted set. Each sweep reads them a page at a time, up to `budget` pages, so the work
-        follows the rate workflows expire at instead of a fixed slice of every index.
+        lives at least that status's retention (idle TTL for the unsettled ones) after its last
+        change (a running one up to TTL_SLACK_PARTS-th of it longer): so only entries older than
+        that can be gone, and they sit at the low end of the sorted set; one still alive is kept.
+        Each sweep reads them a page at a time, up to `budget` pages, so the work follows the
+        rate workflows expire at instead of a fixed slice of every index.
         """
         now = time.time() if now is None else now
         removed = 0

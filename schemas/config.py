@@ -151,14 +151,20 @@ class WorkerSettings(_Strict):
     tools_ttl: float = Field(default=30.0, ge=0, description="seconds a server's tools/list is cached")
     job_timeout: int = Field(default=300, ge=1)
 
-    def retry_wait(self, retry: int) -> float:
-        """The longest RQ may park retry number `retry` (0-based, over the compensation's budget).
+    def backoff(self, retry: int, spread: float = 0.0) -> float:
+        """Seconds before retry number `retry` (0-based, over the compensation's budget).
 
-        The same formula `backoff_intervals` draws from, at its jitter's top, plus the rounding to
-        whole seconds and one scheduler poll: the coordinator counts silence only after this.
+        Exponential, bounded by `backoff_max`; `spread` in [-1, 1] places it within the jitter, so
+        that compensations which failed together (a server that was down) do not return in one burst.
         """
         base = min(self.backoff_max, self.backoff_base * 2 ** max(0, retry))
-        return base * (1 + self.jitter) + 1.5
+        return max(0.0, base * (1 + self.jitter * spread))
+
+    def retry_wait(self, retry: int) -> float:
+        """The longest RQ may park retry number `retry`: the backoff at its jitter's top, plus the
+        rounding to whole seconds and one scheduler poll. The coordinator counts silence only after this.
+        """
+        return self.backoff(retry, 1.0) + 1.5
 
     @property
     def slots_per_server(self) -> int:
