@@ -47,6 +47,8 @@ MAX_CONFLICT_RETRIES = 20
 MAX_OUTAGE_BACKOFF = 2.0
 # Workflows whose step count a coordinator remembers for the fast path (see _record_fresh_steps).
 STEP_COUNT_CACHE = 100_000
+
+
 # Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
 # How Redis (6.2, 7.0) reports an error a script's redis.call raised: the inner error's prefix after
 # a dash, behind "Command # N (EVALSHA ...) of pipeline caused error: " when it ran in a pipeline.

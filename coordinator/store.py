@@ -17,14 +17,13 @@ from typing import Any, NamedTuple
 import msgspec
 from mcp_saga.coordinator.machine import WorkflowView
 from mcp_saga.runtime.connect import Lua, is_cluster
-from mcp_saga.runtime.durability import Durability
+from mcp_saga.runtime.durability import Durability, Writes
 from mcp_saga.runtime.reader import decode_records
 from mcp_saga.schemas.config import CoordinatorSettings
 from mcp_saga.schemas.keys import STATUSES, Keys, key_slot
 from mcp_saga.schemas.records import Compensation, comp_decoder, comp_encoder, state_from_hash
 from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 from redis import Redis
-from redis.client import Pipeline
 from redis.connection import Connection
 from redis.exceptions import NoScriptError
 from rq.job import Job
@@ -132,7 +131,7 @@ class Store:
 
     def commit(self, views: list[WorkflowView]) -> list[bool]:
         """Apply each dirty view atomically; False where another coordinator changed it meanwhile."""
-        pipe = self.redis.pipeline(transaction=False)
+        writes = Writes(self.redis, self.durability)
         for view in views:
             state = view.state
             args: list[str | bytes | int] = [
@@ -153,27 +152,17 @@ class Store:
             args += flat_entries(view.log)
             for position, raw in view.set_steps.items():
                 args += (position, raw)
-            self._apply(keys=self.keys.workflow_keys(view.workflow), args=args, client=pipe)
-        oks = [bool(ok) for ok in self._execute(pipe, "commit")]
+            keys = self.keys.workflow_keys(view.workflow)
+            self._apply(keys=keys, args=args, client=writes.pipe(keys[0]))
+        oks = [bool(ok) for ok in writes.execute("coordinator commit")]
         for view, ok in zip(views, oks, strict=True):
             if ok and view.outcomes:
                 view.outbox.append(self.outbox_item(view))
         return oks
 
-    def _execute(self, pipe: Pipeline, what: str) -> list[Any]:
-        """The pipeline's replies; with durability, after a WAIT on the same connection covers its writes."""
-        if self.durability is None:
-            return pipe.execute()
-        self.durability.queue(pipe)
-        *replies, acknowledged = pipe.execute()
-        self.durability.check(acknowledged, f"coordinator {what}")
-        return replies
-
     def confirm(self) -> None:
-        """WAIT for what this connection wrote before, for a redelivered batch whose commit came earlier."""
-        if self.durability is not None:
-            pipe = self.redis.pipeline(transaction=False)
-            self._execute(pipe, "earlier commit")
+        """WAIT for what was written before, for a redelivered batch whose commit came earlier."""
+        Writes(self.redis, self.durability).confirm("coordinator earlier commit")
 
     def outbox_item(self, view: WorkflowView) -> bytes | str:
         """The transition's outcomes, each with an `id` that names it across re-sends."""
@@ -192,11 +181,11 @@ class Store:
         recorded meanwhile, a step already recorded): nothing was written, and the caller folds
         those events through the compare-and-set path.
         """
-        pipe = self.redis.pipeline(transaction=False)
+        writes = Writes(self.redis, self.durability)
         groups = self._record_calls(batches, now)
-        for _, keys, args in groups:
-            self._record_steps(keys=keys, args=args, client=pipe)
-        return self._recorded(batches, groups, self._execute(pipe, "steps"))
+        for _, keys, args in groups:  # each call's keys are in one slot
+            self._record_steps(keys=keys, args=args, client=writes.pipe(keys[0]))
+        return self._recorded(batches, groups, writes.execute("coordinator steps"))
 
     def _record_calls(self, batches: StepBatches, now: float) -> list[tuple[list[str], list[str], list[Any]]]:
         """record_steps.lua's calls: (workflows, keys, args), one per slot (on one Redis: one for the batch)."""

@@ -239,7 +239,8 @@ class RedisSettings(_Strict):
     `sentinels` + `master` are the config form of a `redis+sentinel://` URL (runtime/sentinel.py):
     every process then asks the sentinels for the current primary and follows a failover.
     `wait_replicas` > 0 makes publishers and the coordinator call WAIT after their writes and treat
-    a write fewer replicas confirmed within `wait_timeout_ms` as not acknowledged (README "Failover").
+    a write fewer replicas confirmed within `wait_timeout_ms` as not acknowledged (README "Failover");
+    on a cluster, each primary a batch wrote to must confirm it (runtime/durability.py `Writes`).
     """
 
     # Run even though the server's maxmemory-policy may delete keys (see runtime/redis_checks.py).
@@ -271,8 +272,6 @@ class RedisSettings(_Strict):
             raise ValueError(f"master = {self.master!r} needs sentinels = ['host:port', ...] to ask for it")
         if self.cluster and self.sentinels:
             raise ValueError("cluster = true and sentinels: a Redis Cluster fails over by itself; keep one of them")
-        if self.cluster and self.wait_replicas:
-            raise ValueError("wait_replicas is not supported with cluster = true yet (WAIT is per node connection)")
         return self
 
     @model_validator(mode="after")
