@@ -52,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             ("worker throughput", lambda: worker.rows(url, jobs=int(600 * scale), calls=int(1200 * scale))),
             ("publisher overhead", lambda: publisher.rows(url, rounds=max(5, int(20 * scale)))),
             ("ingest with an open console", lambda: console_cost.measure(url, int(1000 * scale), 10, 3)),
-            ("gateway overhead", lambda: gateway.rows(url, rounds=max(5, int(20 * scale)))),
+            ("gateway overhead", lambda: gateway.rows(url, rounds=max(7, int(15 * scale)))),
             (
                 "metrics and tracing cost",
-                lambda: observability.rows(url, workflows=int(300 * scale), jobs=int(600 * scale), repeat=3),
+                lambda: observability.rows(url, workflows=int(300 * scale), jobs=int(300 * scale), rounds=7),
             ),
         ]
         for title, run in parts:

@@ -14,10 +14,11 @@
 (d) keys left per workflow after retention expiry: workflows completed, compensated and idle
     under one-second retention, then `collect_garbage`. Target: none.
 
-Both loops run against the same Redis in the same run; each rate is the median of `--repeat`
-drains. `--profile` drains twice more: once with the coordinator's stages timed (and the Redis
-server's time per command from INFO commandstats), once under cProfile for its N costliest
-functions.
+Both loops run against the same Redis in the same run, interleaved; each rate is the median of
+`--repeat` drains. CPU per event of this process and of the Redis server during the drains is
+printed beside them: on a shared machine it moves far less with the load than the rates do.
+`--profile` drains twice more: once with the coordinator's stages timed (and the Redis server's
+time per command from INFO commandstats), once under cProfile for its N costliest functions.
 Without --redis a private redis-server is started and thrown away; with one, only keys under
 the `saga-bench` prefix and `bench:` are touched.
 """
@@ -120,12 +121,27 @@ def publish(redis: Redis, stream: str, entries: list[dict[str, bytes | str]]) ->
 # (a) and (b) --------------------------------------------------------------------------------
 
 
-def baseline_drain(redis: Redis, entries: list[dict[str, bytes | str]]) -> float:
+def cpu_seconds(redis: Redis) -> tuple[float, float]:
+    """CPU seconds used so far by this process and by the Redis server: figures the load on a
+    shared machine moves far less than wall-clock rates."""
+    info = redis.info("cpu")
+    return time.process_time(), info["used_cpu_user"] + info["used_cpu_sys"]
+
+
+def cpu_per_event(before: tuple[float, float], redis: Redis, events: int, into: list | None) -> None:
+    """Append (client, Redis server) CPU microseconds per event since `before` to `into`."""
+    if into is not None:
+        after = cpu_seconds(redis)
+        into.append(tuple((a - b) / events * 1e6 for a, b in zip(after, before, strict=True)))
+
+
+def baseline_drain(redis: Redis, entries: list[dict[str, bytes | str]], cpu: list | None = None) -> float:
     """Events/s of the minimal consumer: read 100, one HSET each, XACK, all in one MULTI."""
     clean(redis)
     redis.xgroup_create(BASE_STREAM, BASE_GROUP, id="0", mkstream=True)
     publish(redis, BASE_STREAM, entries)
     done = 0
+    before = cpu_seconds(redis)
     started = time.perf_counter()
     while done < len(entries):
         reply = redis.xreadgroup(BASE_GROUP, "base", {BASE_STREAM: ">"}, count=100, block=100)
@@ -138,7 +154,9 @@ def baseline_drain(redis: Redis, entries: list[dict[str, bytes | str]]) -> float
         pipe.xack(BASE_STREAM, BASE_GROUP, *[entry_id for entry_id, _ in batch])
         pipe.execute()
         done += len(batch)
-    return len(entries) / (time.perf_counter() - started)
+    rate = len(entries) / (time.perf_counter() - started)
+    cpu_per_event(before, redis, len(entries), cpu)
+    return rate
 
 
 def coordinator(redis: Redis, config: Config) -> Coordinator:
@@ -148,7 +166,11 @@ def coordinator(redis: Redis, config: Config) -> Coordinator:
 
 
 def coordinator_drain(
-    redis: Redis, entries: list[dict[str, bytes | str]], config: Config, profile: cProfile.Profile | None = None
+    redis: Redis,
+    entries: list[dict[str, bytes | str]],
+    config: Config,
+    profile: cProfile.Profile | None = None,
+    cpu: list | None = None,
 ) -> float:
     """Events/s of one in-process coordinator over the same events, from a cold start on them."""
     clean(redis)
@@ -157,10 +179,12 @@ def coordinator_drain(
     done = 0
     if profile:
         profile.enable()
+    before = cpu_seconds(redis)
     started = time.perf_counter()
     while done < len(entries):
         done += coord.step().events
     elapsed = time.perf_counter() - started
+    cpu_per_event(before, redis, len(entries), cpu)
     if profile:
         profile.disable()
     pending = redis.xpending(K.events, K.group)["pending"]
@@ -332,11 +356,17 @@ def hotspots(profile: cProfile.Profile, top: int) -> str:
 
 def measure(url: str, workflows: int, steps: int, repeat: int, profile_top: int) -> tuple[list[Row], dict[str, Any]]:
     redis = Redis.from_url(url)
+    consumer.tune_gc()  # as `saga coordinator` does at start (the baseline loop allocates next to nothing)
     try:
         entries = workload(workflows, steps)
         config = parse_config({"prefix": PREFIX, "coordinator": {"block_ms": 5}})
-        base = statistics.median(baseline_drain(redis, entries) for _ in range(repeat))
-        coord = statistics.median(coordinator_drain(redis, entries, config) for _ in range(repeat))
+        bases, coords, base_cpu, coord_cpu = [], [], [], []  # interleaved: ABAB, so both meet the same load
+        for _ in range(repeat):
+            bases.append(baseline_drain(redis, entries, base_cpu))
+            coords.append(coordinator_drain(redis, entries, config, cpu=coord_cpu))
+        base, coord = statistics.median(bases), statistics.median(coords)
+        client = statistics.median(c for c, _ in coord_cpu), statistics.median(c for c, _ in base_cpu)
+        server = statistics.median(s for _, s in coord_cpu), statistics.median(s for _, s in base_cpu)
         memory = memory_per_step(redis, entries)  # of the last coordinator drain
         left, globals_left = keys_left_after_retention(redis, min(workflows, 300))
         extra: dict[str, Any] = {
@@ -356,6 +386,8 @@ def measure(url: str, workflows: int, steps: int, repeat: int, profile_top: int)
     rows = [
         Row("(a) baseline loop, events/s", base, None, "", None),
         Row("(b) coordinator, events/s", coord, base, "b/a >= 0.5", coord / base >= 0.5),
+        Row("(b) coordinator CPU, us/event", client[0], client[1], "(a's in baseline)", None),
+        Row("(b) Redis server CPU, us/event", server[0], server[1], "(a's in baseline)", None),
         Row("(c) bytes/step vs JSON", memory["total"], memory["json"], "<= 2", memory["total"] <= 2 * memory["json"]),
         Row("(d) keys/workflow after expiry", left, None, "0", left == 0),
     ]

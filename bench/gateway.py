@@ -1,24 +1,39 @@
 """What a tool call costs through `saga gateway` against the same call made directly, at a 2 ms tool.
 
-    python -m bench.gateway [--calls 100] [--rounds 20] [--redis URL]
+    python -m bench.gateway [--calls 100] [--rounds 15] [--no-intents] [--profile OUT.svg] [--redis URL]
 
 The upstream is bench.publisher's server over streamable HTTP (one tool sleeping 2 ms that
 declares its compensation); the gateway is a real `saga gateway` process in front of it, which
 forwards each call and records it: the intent awaited before forwarding (one XADD round trip on the
-call's path; `--no-intents` turns it off to measure its share), the step-completed off the path.
-Direct and gateway rounds alternate in shuffled order over warm sessions, so load from other
-processes hits both alike; the figures are medians over the rounds.
+call's path; `--no-intents` turns it off to measure its share), the step-completed after the answer.
+
+On a shared machine the wall-clock of one run says more about the neighbours than about the code,
+so the figures are built to resist load. Rounds are paired: each round is one batch of direct
+calls and one through the gateway, back to back, the order alternating (AB, BA, AB, ...) so that
+neither side always gets the warmer core; the figure is the median of the rounds' own ratios, with
+their spread. Beside it, the gateway process's CPU per call (its threads' time on a CPU, from
+`/proc/PID/task/*/schedstat`, in nanoseconds), which load stretches much less than wall-clock:
+what the gateway adds to a call on a free core is about that CPU plus the intent's round trip.
+`--profile` records the gateway with py-spy during the measured rounds (py-spy must be installed), only
+while it holds the GIL: its CPU work, not its waits. `--loops asyncio,uvloop` runs one gateway per
+event loop, and `--base-python` one more of an earlier version, all in the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
-import random
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.publisher import DELAY
@@ -27,90 +42,249 @@ from bench.table import Row
 PREFIX = "benchgw"  # its own stream, deleted afterwards
 
 
-async def measure(direct_url: str, gateway_url: str, calls: int, rounds: int) -> dict[str, list[float]]:
-    import time
+def cpu_ns(pid: int) -> int:
+    """Time a process's threads have spent on a CPU so far (Linux schedstat, nanoseconds, not clock ticks:
+    a round of 100 calls uses about 100 ms of the gateway's CPU, which ticks of 10 ms would blur)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+    return total
 
+
+def user_system(pid: int) -> tuple[int, int]:
+    """A process's user and system CPU so far, in clock ticks: over a whole run, how much is the kernel's."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])
+
+
+@dataclass
+class Side:
+    """One gateway's per-round figures: seconds per call through it, and its CPU seconds per call."""
+
+    times: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    kernel_share: float = 0.0  # of its CPU over the whole run (warm-up included)
+
+
+@dataclass
+class Rounds:
+    """Seconds per direct call in each round, and each gateway's figures in the same rounds."""
+
+    direct: list[float]
+    gateways: dict[str, Side]
+
+    def ratios(self, name: str) -> list[float]:
+        return [through / direct for direct, through in zip(self.direct, self.gateways[name].times, strict=True)]
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    low, median, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, median, high
+
+
+async def measure(
+    direct_url: str, gateways: dict[str, tuple[str, Callable[[], int]]], calls: int, rounds: int
+) -> Rounds:
+    """`gateways`: name -> (URL, its CPU counter). Each round runs the direct batch and one batch per
+    gateway back to back, the order rotating from round to round (AB, BA, ... with one gateway)."""
     from mcp import Client
     from mcp_saga.schemas.events import WORKFLOW_META_KEY
 
-    async with Client(direct_url) as direct, Client(gateway_url) as gateway:
+    async with contextlib.AsyncExitStack() as stack:
+        direct = await stack.enter_async_context(Client(direct_url))
+        clients = {name: await stack.enter_async_context(Client(url)) for name, (url, _) in gateways.items()}
 
-        async def run(client: Client, round_no: int) -> float:
-            meta = {WORKFLOW_META_KEY: f"bench-{round_no}"} if client is gateway else None
+        async def run(client: Client, round_no: int, through: bool) -> float:
+            meta = {WORKFLOW_META_KEY: f"bench-{round_no}"} if through else None
             start = time.perf_counter()
             for n in range(calls):
                 await client.call_tool("work", {"n": n}, meta=meta)
             return (time.perf_counter() - start) / calls
 
-        modes = {"direct": direct, "gateway": gateway}
-        times: dict[str, list[float]] = {mode: [] for mode in modes}
-        for client in modes.values():
-            await run(client, -1)  # warm-up: sessions, the gateway's tools/list cache
+        result = Rounds([], {name: Side() for name in gateways})
+
+        async def batch(side: str, round_no: int) -> None:
+            if side == "direct":
+                seconds = await run(direct, round_no, False)
+                if round_no >= 0:
+                    result.direct.append(seconds)
+                return
+            cpu = gateways[side][1]
+            before = cpu()
+            seconds = await run(clients[side], round_no, True)
+            if round_no >= 0:
+                result.gateways[side].times.append(seconds)
+                result.gateways[side].cpu.append((cpu() - before) / 1e9 / calls)
+
+        order = ["direct", *gateways]
+        for side in order:  # warm-up: sessions, connections, the gateways' tools/list caches
+            await batch(side, -1)
         for i in range(rounds):
-            for mode in random.sample(list(modes), len(modes)):
-                times[mode].append(await run(modes[mode], i))
-    return times
+            for side in order[i % len(order) :] + order[: i % len(order)]:
+                await batch(side, i)
+    return result
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far (Linux /proc), to say what the gateway itself costs per call."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _profiler(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit("--profile needs py-spy (pip install py-spy)")
+    command = [spy, "record", "--pid", str(pid), "--output", str(out), "--rate", "250", "--nonblocking", "--gil"]
+    if out.suffix == ".txt":
+        command += ["--format", "raw"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
 
 
-def timings(redis_url: str, *, calls: int, rounds: int, intents: bool = True) -> dict[str, list[float]]:
+def timings(
+    redis_url: str,
+    *,
+    calls: int,
+    rounds: int,
+    intents: bool = True,
+    loops: tuple[str, ...] = ("asyncio",),
+    profile: Path | None = None,
+    base_python: str | None = None,
+) -> Rounds:
+    """One gateway per event loop in `loops` (named by it), all before one upstream, measured in the same rounds."""
     import redis
     from mcp_saga.cli.procs import free_port, saga_process, start_http_server, stop, wait_until_accepting
     from mcp_saga.schemas.config import parse_config, write_config
 
-    with start_http_server("bench.publisher", "--serve") as (_, upstream), tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        gateway_settings = {"port": port, "allow_anonymous": True, "intents": intents}
-        settings = {"servers": {"bench": {"url": upstream}}, "gateway": gateway_settings}
-        config = write_config(parse_config({"prefix": PREFIX, **settings}), Path(tmp) / "saga.toml")
-        gateway = saga_process("gateway", redis_url=redis_url, config=config, env={"SAGA_LOG_LEVEL": "WARNING"})
+    with (
+        start_http_server("bench.publisher", "--serve") as (_, upstream),
+        tempfile.TemporaryDirectory() as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        processes, urls = {}, {}
+        for loop in loops:
+            port = free_port()
+            gateway_settings: dict[str, object] = {"port": port, "allow_anonymous": True, "intents": intents}
+            if loop != "base":
+                gateway_settings["loop"] = loop
+            settings = {"servers": {"bench": {"url": upstream}}, "gateway": gateway_settings}
+            config = write_config(parse_config({"prefix": PREFIX, **settings}), Path(tmp) / f"{loop}.toml")
+            env = {"SAGA_LOG_LEVEL": "WARNING"}
+            if loop == "base":  # an earlier version, installed for `base_python`, on its default loop
+                environment = {**os.environ, "REDIS_URL": redis_url, "SAGA_CONFIG": str(config), **env}
+                command = [base_python or "python", "-m", "mcp_saga.cli", "gateway"]
+                process = subprocess.Popen(command, cwd=tmp, env=environment, stdout=subprocess.DEVNULL)
+            else:
+                process = saga_process("gateway", redis_url=redis_url, config=config, env=env)
+            processes[loop] = process
+            stack.callback(stop, process)
+            wait_until_accepting("127.0.0.1", port, process)
+            urls[loop] = f"http://127.0.0.1:{port}/mcp/bench"
+        if profile is not None:
+            spy = _profiler(processes[loops[0]].pid, profile)
+
+            def stop_profiler() -> None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its output when interrupted
+                spy.wait(30)
+
+            stack.callback(stop_profiler)
+            time.sleep(1.0)  # attached before the rounds start
         try:
-            wait_until_accepting("127.0.0.1", port, gateway)
-            before = cpu_seconds(gateway.pid)
-            times = asyncio.run(measure(upstream, f"http://127.0.0.1:{port}/mcp/bench", calls, rounds))
-            # Calls through the gateway: the warm-up round and `rounds` measured ones.
-            times["gateway_cpu"] = [(cpu_seconds(gateway.pid) - before) / (calls * (rounds + 1))]
-            return times
+            before = {loop: user_system(process.pid) for loop, process in processes.items()}
+            counters = {loop: (urls[loop], _cpu_counter(process.pid)) for loop, process in processes.items()}
+            measured = asyncio.run(measure(upstream, counters, calls, rounds))
+            for loop, process in processes.items():
+                user, system = (now - then for now, then in zip(user_system(process.pid), before[loop], strict=True))
+                measured.gateways[loop].kernel_share = system / ((user + system) or 1)
+            return measured
         finally:
-            stop(gateway)
             client = redis.Redis.from_url(redis_url)
             client.delete(f"{PREFIX}:events")
             client.close()
 
 
-def rows(redis_url: str, *, calls: int = 100, rounds: int = 20) -> list[Row]:
-    """The suite's row: a call through the gateway against the same call made directly, medians over rounds."""
-    times = timings(redis_url, calls=calls, rounds=rounds)
-    direct, through = statistics.median(times["direct"]) * 1000, statistics.median(times["gateway"]) * 1000
-    name = f"gateway: tools/call at a {DELAY * 1000:g} ms tool, HTTP (ms)"
-    return [Row(name, through, direct, "<= 1.10", through <= 1.1 * direct)]
+def _cpu_counter(pid: int) -> Callable[[], int]:
+    return lambda: cpu_ns(pid)
+
+
+def rows(redis_url: str, *, calls: int = 100, rounds: int = 15) -> list[Row]:
+    """The suite's rows: the median of paired rounds' ratios (through / direct), and the gateway's CPU per call."""
+    measured = timings(redis_url, calls=calls, rounds=rounds)
+    (loop,) = measured.gateways
+    side = measured.gateways[loop]
+    low, ratio, high = quartiles(measured.ratios(loop))
+    direct, through = statistics.median(measured.direct) * 1000, statistics.median(side.times) * 1000
+    cpu = statistics.median(side.cpu) * 1000
+    tool = f"{DELAY * 1000:g} ms tool"
+    return [
+        Row(
+            f"gateway: tools/call at a {tool}, HTTP (ms), median of {rounds} paired rounds' ratios "
+            f"(quartiles {low:.2f}-{high:.2f})",
+            through,
+            direct,
+            "<= 1.10",
+            ratio <= 1.1,
+            paired=ratio,
+        ),
+        Row(
+            f"gateway: its process's CPU per call at a {tool} (ms), share of a direct call",
+            cpu,
+            direct,
+            "<= 0.10",
+            cpu <= 0.1 * direct,
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=100, help="calls per round")
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=100, help="calls per round each way")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds (at least 7)")
     parser.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL, else a private one")
     parser.add_argument("--no-intents", action="store_true", help="[gateway] intents = false: no awaited intent")
+    parser.add_argument(
+        "--loops", default=None, help="one gateway per [gateway] loop named (comma-separated), in the same rounds"
+    )
+    parser.add_argument(
+        "--base-python",
+        help="one more gateway, `base`, run by this interpreter (a venv with an earlier version installed)",
+    )
+    parser.add_argument(
+        "--profile", type=Path, help="py-spy output of the (first) gateway (.svg flame graph, .txt raw)"
+    )
     args = parser.parse_args(argv)
+    if args.rounds < 7:
+        parser.error("--rounds: at least 7, so the median and quartiles of the ratios mean something")
     from mcp_saga.cli.redis_server import resolve_redis
+    from mcp_saga.schemas.config import GatewaySettings
 
+    loops = tuple(args.loops.split(",")) if args.loops else (GatewaySettings().loop,)
+    loops = (*loops, "base") if args.base_python else loops
+    load = os.getloadavg()[0]
     with resolve_redis(args.redis) as url:
-        times = timings(url, calls=args.calls, rounds=args.rounds, intents=not args.no_intents)
-    direct, through = statistics.median(times["direct"]), statistics.median(times["gateway"])
-    print(f"tool sleeps {DELAY * 1000:g} ms, streamable HTTP, {args.rounds} rounds of {args.calls} calls each way;")
-    print(f"intents {'off' if args.no_intents else 'on'};")
-    print(f"load average {os.getloadavg()[0]:.2f}")
-    print(f"{'direct call ms':22}{direct * 1000:10.3f}")
-    print(f"{'through gateway ms':22}{through * 1000:10.3f}")
-    print(f"{'overhead ms':22}{(through - direct) * 1000:10.3f}")
-    print(f"{'ratio':22}{through / direct:10.3f}")
-    print(f"{'gateway CPU ms/call':22}{times['gateway_cpu'][0] * 1000:10.3f}")
+        measured = timings(
+            url,
+            calls=args.calls,
+            rounds=args.rounds,
+            intents=not args.no_intents,
+            loops=loops,
+            profile=args.profile,
+            base_python=args.base_python,
+        )
+    direct = statistics.median(measured.direct)
+    order = "AB, BA, ..." if len(loops) == 1 else "order rotating"
+    print(f"tool sleeps {DELAY * 1000:g} ms, streamable HTTP, {args.rounds} rounds ({order}) of {args.calls} calls")
+    print(f"each way; intents {'off' if args.no_intents else 'on'}; load average {load:.2f} at start, ", end="")
+    print(f"{os.getloadavg()[0]:.2f} at the end")
+    print(f"{'direct call ms':28}{direct * 1000:10.3f}   (median round)")
+    for loop, side in measured.gateways.items():
+        ratios = measured.ratios(loop)
+        low, ratio, high = quartiles(ratios)
+        cpu, cpus = statistics.median(side.cpu), [c * 1000 for c in side.cpu]
+        print("gateway of --base-python:" if loop == "base" else f"gateway on the {loop} loop:")
+        print(f"{'  through gateway ms':28}{statistics.median(side.times) * 1000:10.3f}   (median round)")
+        print(f"{'  ratio, median of rounds':28}{ratio:10.3f}   quartiles {low:.3f}-{high:.3f}")
+        print(f"{'':28}{'':10}   range {min(ratios):.3f}-{max(ratios):.3f}")
+        print(f"{'  gateway CPU ms/call':28}{cpu * 1000:10.3f}   rounds {min(cpus):.3f}-{max(cpus):.3f}")
+        print(f"{'  gateway CPU / direct call':28}{cpu / direct:10.3f}   {side.kernel_share:.0%} of it in the kernel")
+        print("  rounds' ratios: " + " ".join(f"{r:.2f}" for r in ratios))
 
 
 if __name__ == "__main__":

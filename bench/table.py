@@ -17,9 +17,15 @@ class Row:
     baseline: float | None
     target: str
     met: bool | None
+    # The median of paired rounds' own ratios, where a bench pairs them: under load it is steadier than
+    # the ratio of the two medians, so it is the ratio shown. `spread`: those ratios' quartiles.
+    paired: float | None = None
+    spread: tuple[float, float] | None = None
 
     @property
     def ratio(self) -> float | None:
+        if self.paired is not None:
+            return self.paired
         return self.value / self.baseline if self.baseline else None
 
     def as_dict(self) -> dict[str, object]:
@@ -35,7 +41,7 @@ def print_table(rows: list[Row], title: str, console: Console | None = None) -> 
             row.name,
             _fmt(row.value),
             "" if row.baseline is None else _fmt(row.baseline),
-            "" if row.ratio is None else f"{row.ratio:.2f}",
+            _ratio(row),
             row.target,
             {True: "[green]yes[/]", False: "[red]no[/]", None: ""}[row.met],
         )
@@ -44,3 +50,9 @@ def print_table(rows: list[Row], title: str, console: Console | None = None) -> 
 
 def _fmt(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
+
+
+def _ratio(row: Row) -> str:
+    if row.ratio is None:
+        return ""
+    return f"{row.ratio:.2f}" + (f" ({row.spread[0]:.2f}-{row.spread[1]:.2f})" if row.spread else "")

@@ -8,6 +8,7 @@ redelivered after a crash folds to no change, and its workflows' queued jobs are
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
@@ -29,6 +31,7 @@ from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import Event, InvalidEvent, StepCompleted, StepStarted, decode_entry, stream_id
 from mcp_saga.schemas.keys import STATUSES
 from mcp_saga.schemas.records import Compensation, job_id_for
+from mcp_saga.schemas.timeline import TimelineEntry
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -38,14 +41,34 @@ log = get_logger("coordinator")
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 Groups = dict[str, list[tuple[Event, dict[bytes, bytes]]]]
+Planned = dict[str, tuple[int, list[tuple[Compensation, bytes, list[TimelineEntry]]]]]
 MAX_CONFLICT_RETRIES = 20
 # Longest pause between attempts while Redis is unreachable (restart, failover, network).
 MAX_OUTAGE_BACKOFF = 2.0
 # Workflows whose step count a coordinator remembers for the fast path (see _record_fresh_steps).
 STEP_COUNT_CACHE = 100_000
+
+
 # Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
 # How Redis (6.2, 7.0) reports an error a script's redis.call raised: the inner error's prefix after
 # a dash, behind "Command # N (EVALSHA ...) of pipeline caused error: " when it ran in a pipeline.
+# The youngest generation's collection threshold in a coordinator process (CPython's default: 700).
+GC_YOUNG = 20_000
+
+
+def tune_gc() -> None:
+    """Collect cyclic garbage the way a coordinator process can afford (issue 15, ingest).
+
+    A batch allocates some hundred objects per event (decoded payloads, plans), nearly all freed
+    by reference counting; with CPython's default thresholds the cyclic collector still ran every
+    700 allocations and now and then walked every long-lived object of the process (modules,
+    redis-py, RQ), which cost more per event than the decoding itself. So what start-up built is
+    moved out of the collector's sight, and the young generation is collected less often.
+    """
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG, 50, 50)
+
+
 @dataclass
 class BatchResult:
     events: int = 0
@@ -53,6 +76,23 @@ class BatchResult:
     jobs: int = 0
     conflicts: int = 0
     statuses: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Batch:
+    """One batch between its read and its acknowledgement."""
+
+    entries: list[Entry]
+    redelivered: bool
+    started: float
+    now: float
+    groups: Groups
+    dead: list[DeadEntry]
+    traces: tracing.BatchTraces
+    announced: set[str] = field(default_factory=set)
+    # The fast path's plans: workflow -> (the step count they are numbered from, the planned steps).
+    planned: Planned = field(default_factory=dict)
+    held: frozenset[str] = frozenset()
 
 
 class Coordinator:
@@ -78,6 +118,8 @@ class Coordinator:
         self._next_housekeeping = time.monotonic() + 10
         self._refused = RateLimitedLog(log)
         self._step_counts: dict[str, int] = {}
+        # A batch read ahead and planned, to be committed by the next step (see _overlapped).
+        self._ready: Batch | None = None
 
     # Process lifetime ---------------------------------------------------------------------
 
@@ -130,6 +172,7 @@ class Coordinator:
                     metrics.REDIS_RECONNECTS.labels("coordinator").inc()
                 delay = 0.0
             except (RedisConnectionError, RedisTimeoutError) as exc:
+                self._ready = None  # its entries stay pending, as a batch cut short: they are claimed again
                 metrics.REDIS_ERRORS.labels("coordinator").inc()
                 # A Redis restart must not end the process: a batch cut short is exactly a crash
                 # mid-batch (its entries stay pending and are claimed again), so wait and go on.
@@ -137,6 +180,7 @@ class Coordinator:
                 log.warning("redis unreachable; retrying", error=str(exc), retry_in=delay)
                 time.sleep(delay)
             except ResponseError as exc:
+                self._ready = None  # read again with the rest of our pending entries
                 condition = healing_condition(exc)
                 if condition is None:
                     raise
@@ -149,6 +193,10 @@ class Coordinator:
                 else:
                     self._refused.note(condition, str(exc), delay)
                 time.sleep(delay)
+        try:
+            self.drain()  # what was read ahead; left pending if Redis is gone, and claimed again
+        except (RedisConnectionError, RedisTimeoutError, ResponseError) as exc:
+            log.warning("stopped with a batch read but not handled; it will be claimed again", error=str(exc))
         log.info("coordinator stopped", consumer=self.name)
         return 0
 
@@ -176,8 +224,9 @@ class Coordinator:
             self._next_claim = now + self.settings.claim_idle_ms / 2000
             claimed = self._claim()
             if claimed:
+                self.drain()
                 return self.process(claimed, redelivered=True)
-        result = self.process(self._read(">"), redelivered=False)
+        result = self._overlapped() if self.store.overlaps else self.process(self._read(">"), redelivered=False)
         if now >= self._next_watch:
             self._next_watch = now + self.settings.watchdog_every
             self.watch()
@@ -186,12 +235,49 @@ class Coordinator:
             self.housekeeping()
         return result
 
+    def _overlapped(self) -> BatchResult:
+        """One batch, its commit overlapped with planning the next (one Redis, no WAIT).
+
+        The next read goes out ahead of this batch's commit in one write: Redis answers it, then
+        runs the commit while this process decodes and plans what it read. Then the commit's
+        replies are taken and the batch finished (compare-and-set path, dispatch, follow-ups,
+        acknowledgement) before anything of the next batch is sent; so an entry is acknowledged
+        only after its commit, and a workflow of both batches is planned only once this one's
+        outcome is known (`held`). The next batch waits, read and planned, for the next call.
+        """
+        batch, self._ready = self._ready, None
+        if batch is None:
+            entries = self._read(">")
+            if not entries:
+                return BatchResult()
+            batch = self._prepare(entries, redelivered=False)
+        self._plan_held(batch)
+        k = self.keys
+        ahead = ("XREADGROUP", "GROUP", k.group, self.name, "COUNT", self.settings.batch, "STREAMS", k.events, ">")
+        reply, flight = self.store.record_ahead(ahead, batch.planned, batch.now)
+        try:
+            following = _entries(reply)
+            upcoming = self._prepare(following, redelivered=False, held=frozenset(batch.groups)) if following else None
+        finally:
+            outcomes = self.store.collect(flight)
+        result = self._finish(batch, outcomes)
+        self._ready = upcoming
+        return result
+
+    def drain(self) -> BatchResult:
+        """Finish the batch read ahead, if there is one (before a claim, and when stopping)."""
+        batch, self._ready = self._ready, None
+        if batch is None:
+            return BatchResult()
+        self._plan_held(batch)
+        return self._finish(batch, self.store.record_steps(batch.planned, batch.now) if batch.planned else {})
+
     def _read(self, start: str) -> list[Entry]:
         block = None if start == "0" else self.settings.block_ms
         reply = self.redis.xreadgroup(
             self.keys.group, self.name, {self.keys.events: start}, count=self.settings.batch, block=block
         )
-        return [(i, f) for _, entries in reply for i, f in entries if f is not None] if reply else []
+        return _entries(reply)
 
     def _claim(self) -> list[Entry]:
         """Take over entries another coordinator read but never acknowledged (it died)."""
@@ -211,14 +297,39 @@ class Coordinator:
     # The batch ------------------------------------------------------------------------------
 
     def process(self, entries: list[Entry], *, redelivered: bool) -> BatchResult:
-        result = BatchResult(events=len(entries))
+        """One batch from read to acknowledgement, with nothing else in flight."""
         if not entries:
-            return result
+            return BatchResult()
+        batch = self._prepare(entries, redelivered=redelivered)
+        return self._finish(batch, self.store.record_steps(batch.planned, batch.now) if batch.planned else {})
+
+    def _prepare(self, entries: list[Entry], *, redelivered: bool, held: frozenset[str] = frozenset()) -> Batch:
+        """Decode the batch and plan its fast path: pure, no I/O (it runs while Redis works on the last one).
+
+        The workflows in `held` are the previous batch's, not finished yet: they are planned by
+        `_plan_held`, once that batch's step counts are known.
+        """
         started, now = time.perf_counter(), time.time()
         groups, dead = self._decode(entries)
-        traces = tracing.event_traces(groups)
-        announced = {w for w, items in groups.items() if any(isinstance(e.data, StepStarted) for e, _ in items)}
-        fresh = self._record_fresh_steps(groups, now)
+        batch = Batch(entries, redelivered, started, now, groups, dead, tracing.event_traces(groups))
+        batch.announced = {
+            w for w, items in groups.items() if any(isinstance(e.data, StepStarted) for e, _ in items)
+        }
+        batch.held = held & groups.keys()
+        batch.planned = self._plan_fresh(groups, now, batch.held)
+        return batch
+
+    def _plan_held(self, batch: Batch) -> None:
+        if batch.held:
+            batch.planned.update(self._plan_fresh({w: batch.groups[w] for w in batch.held}, batch.now, frozenset()))
+            batch.held = frozenset()
+
+    def _finish(self, batch: Batch, outcomes: dict[str, Recorded | None]) -> BatchResult:
+        """Everything after the fast path's commit: the compare-and-set path, dispatch, follow-ups, ack."""
+        entries, redelivered, now, groups, dead = batch.entries, batch.redelivered, batch.now, batch.groups, batch.dead
+        result = BatchResult(events=len(entries))
+        traces, announced = batch.traces, batch.announced
+        fresh = self._take_recorded(batch, outcomes)
         committed, contended, conflicts = self._fold(groups, now, dead)
         tracing.transitions(committed, traces, now)
         for view in committed:
@@ -250,7 +361,9 @@ class Coordinator:
                 )
         for entry_id, _, reason in dead:
             log.warning("dead-lettered an event", id=entry_id.decode(), reason=reason)
-        metrics.observe_batch(entries, dead, committed, sum(r.created for r in fresh.values()), conflicts, started)
+        metrics.observe_batch(
+            entries, dead, committed, sum(r.created for r in fresh.values()), conflicts, batch.started
+        )
         return result
 
     def _decode(self, entries: list[Entry]) -> tuple[Groups, list[DeadEntry]]:
@@ -318,35 +431,50 @@ class Coordinator:
             log.error("gave up on contended workflows this batch", workflows=sorted(pending))
         return committed, pending, conflicts
 
-    def _record_fresh_steps(self, groups: Groups, now: float) -> dict[str, Recorded]:
-        """The common case without a read: steps of running workflows, recorded by one script each.
+    def _plan_fresh(self, groups: Groups, now: float, held: frozenset[str]) -> Planned:
+        """The common case without a read: steps of running workflows, recorded by one script.
 
         The steps are planned here by the machine, numbered from the step count this coordinator
         last saw for the workflow (0 for one it never saw); the script writes them only if that
-        count still holds. Removes what it recorded from `groups`; the rest stays there for the
-        compare-and-set path. Returns what was recorded, per workflow.
+        count still holds (`_take_recorded` then removes them from `groups`; the rest stays there
+        for the compare-and-set path). `held` workflows are left for later.
         """
-        batches = {}
+        batches: Planned = {}
+        counts = self._step_counts
         for workflow, items in groups.items():
-            names = [e.data.step for e, _ in items if isinstance(e.data, StepCompleted | StepStarted)]
-            if len(names) != len(items) or len(set(names)) != len(names):
-                continue  # an intent and its result in one batch: the settle needs the record, so CAS
-            base = self._step_counts.get(workflow, 0)
+            if workflow in held:
+                continue
             steps = []
-            for n, (event, _) in enumerate(items):
-                data, seq = event.data, base + n
-                if isinstance(data, StepStarted):
-                    comp, entries = self.machine.plan_started(workflow, data, seq, now, event.id, event.repairs)
-                else:
-                    comp, entries = self.machine.plan_step(workflow, data, seq, False, now, event.id, event.repairs)  # type: ignore[arg-type]
-                steps.append((comp, event.raw, entries))
-            batches[workflow] = (base, steps)
+            names = set()
+            for event, _ in items:
+                data = event.data
+                kind = type(data)
+                if (kind is not StepCompleted and kind is not StepStarted) or data.step in names:  # type: ignore[union-attr]
+                    break  # an intent and its result in one batch: the settle needs the record, so CAS
+                names.add(data.step)  # type: ignore[union-attr]
+                steps.append((data, event))
+            else:
+                base = counts.get(workflow, 0)
+                plans = []
+                machine = self.machine
+                for n, (data, event) in enumerate(steps):
+                    seq, repairs = base + n, event.repairs
+                    if type(data) is StepStarted:
+                        comp, entries = machine.plan_started(workflow, data, seq, now, event.id, repairs)
+                    else:
+                        comp, entries = machine.plan_step(workflow, data, seq, False, now, event.id, repairs)  # type: ignore[arg-type]
+                    plans.append((comp, event.raw, entries))
+                batches[workflow] = (base, plans)
+        return batches
+
+    def _take_recorded(self, batch: Batch, outcomes: dict[str, Recorded | None]) -> dict[str, Recorded]:
+        """What the fast path recorded, per workflow, taken out of the batch's groups."""
         recorded = {}
-        for workflow, outcome in (self.store.record_steps(batches, now) if batches else {}).items():
+        for workflow, outcome in outcomes.items():
             if outcome is not None:
-                del groups[workflow]
+                del batch.groups[workflow]
                 recorded[workflow] = outcome
-                self._remember_steps(workflow, batches[workflow][0] + outcome.steps)
+                self._remember_steps(workflow, batch.planned[workflow][0] + outcome.steps)
         return recorded
 
     def _remember_steps(self, workflow: str, count: int | None) -> None:
@@ -508,6 +636,11 @@ class Coordinator:
         if not floor:
             return 0
         return self.redis.xtrim(self.keys.events, minid=min(floor, key=stream_id), approximate=False)
+
+
+def _entries(reply: Any) -> list[Entry]:
+    """XREADGROUP's entries (a deleted entry, delivered with no fields, is left out)."""
+    return [(i, f) for _, entries in reply for i, f in entries if f is not None] if reply else []
 
 
 def _job_of(comp: Compensation) -> str:

@@ -12,6 +12,8 @@ known, a report already counted change nothing.
 
 from __future__ import annotations
 
+import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -554,8 +556,11 @@ class Machine:
             if data.final:
                 comp.status = "failed"
                 self._outcome(view, "compensation-failed", now, comp.step, "failed", data.error)
-            elif comp.via:  # no RQ retry behind a step of a slip: `advance` dispatches it again
+            elif comp.via:  # no RQ retry behind a step of a slip: `advance` dispatches it again,
+                # due after the backoff any attempt waits (the job is held until then, see _dispatch)
                 comp.status, comp.via = "pending", ""
+                # (a whole second: what RQ's scheduler keeps, so silence counts from when it runs)
+                comp.retry_at = math.ceil(now + self.config.worker.backoff(comp.spent - 1, _spread(comp)))
             else:
                 comp.status = "running"
                 # RQ parks the next attempt for its backoff: no report and no lease until then.
@@ -634,6 +639,7 @@ class Machine:
                 continue
             if command == "retry":  # a fresh budget of attempts: the operator judged the cause fixed
                 comp.status, comp.reason, comp.last_error, comp.spent = "pending", None, None, 0
+                comp.retry_at = 0.0  # and no backoff left to wait
             elif command in ("resolve", "skip"):
                 comp.status = "resolved" if command == "resolve" else "skipped"
             else:
@@ -720,19 +726,26 @@ class Machine:
     def _dispatch(
         self, view: WorkflowView, comp: Compensation, now: float, slip: list[Compensation] | None = None
     ) -> None:
-        """Queue the next dispatch of `comp`, carrying `slip` behind it in the same job."""
-        head = self._queue(view, comp, now, "")
+        """Queue the next dispatch of `comp`, carrying `slip` behind it in the same job.
+
+        A pending record with a retry still due (its failed attempt had no RQ retry behind it) is
+        queued as a job RQ holds until then; silence counts from then too.
+        """
+        due = comp.retry_at if comp.status == "pending" and comp.retry_at > now else 0.0
+        head = self._queue(view, comp, now, "", due=due)
         members = [self._queue(view, m, now, head.job_id, comp.step) for m in slip or ()]
         view.jobs.append(msgspec.structs.replace(head, then=tuple(members)) if members else head)
 
-    def _queue(self, view: WorkflowView, comp: Compensation, now: float, via: str, head: str = "") -> CompensationJob:
+    def _queue(
+        self, view: WorkflowView, comp: Compensation, now: float, via: str, head: str = "", due: float = 0.0
+    ) -> CompensationJob:
         assert comp.operation_id and comp.idempotency_key and comp.arguments is not None
         comp.status = "queued"
         comp.dispatch += 1
         comp.attempt = 0
         comp.queued_at = now
         comp.heard_at = 0.0
-        comp.retry_at = 0.0
+        comp.retry_at = due
         comp.via = via
         view.put(comp, now)
         view.note(
@@ -788,6 +801,7 @@ class Machine:
             seq=comp.seq,
             attempts_used=comp.spent,
             kind=comp.kind,
+            not_before=comp.retry_at if comp.status == "queued" else 0.0,
         )
 
     def _touch(self, view: WorkflowView, before: str | None, now: float) -> None:
@@ -804,3 +818,11 @@ class Machine:
         view.outcomes.append(
             Outcome(type=kind, workflow=view.workflow, at=now, step=step, status=status, reason=reason)
         )
+
+
+def _spread(comp: Compensation) -> float:
+    """Where in the backoff's jitter this dispatch's retry falls, in [-1, 1]: drawn from its key,
+    so the machine stays pure (a redelivered event folds to the same state) and compensations of
+    many workflows that failed together still come back spread out.
+    """
+    return zlib.crc32(f"{comp.idempotency_key}/{comp.dispatch}".encode()) / 0xFFFF_FFFF * 2 - 1

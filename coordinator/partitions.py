@@ -17,7 +17,7 @@ from __future__ import annotations
 import signal
 import threading
 
-from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.coordinator.consumer import Coordinator, tune_gc
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.schemas.config import Config, ConfigError
 from redis import Redis
@@ -45,6 +45,7 @@ def run_partitions(
     if not all(0 <= p < count for p in parts):
         raise ConfigError(f"--partition {parts}: the config has {count} partition(s), 0..{count - 1}")
     loops = [Coordinator(redis, config, name, partition=p, queue=queue) for p in parts]
+    tune_gc()
     if len(loops) == 1:
         return loops[0].run()
     failed: list[BaseException] = []

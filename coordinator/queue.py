@@ -8,7 +8,11 @@ twice (RQ would otherwise overwrite the job and run it twice).
 
 from __future__ import annotations
 
+import math
 import random
+import time
+from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 from mcp_saga.schemas.config import WorkerSettings
@@ -27,12 +31,7 @@ def backoff_intervals(settings: WorkerSettings, rng: random.Random | None = None
     together (a server that was down) so they do not return in one burst.
     """
     rng = rng or random.Random()
-    intervals = []
-    for retry in range(settings.attempts - 1):
-        base = min(settings.backoff_max, settings.backoff_base * 2**retry)
-        spread = base * settings.jitter
-        intervals.append(max(0, round(base + rng.uniform(-spread, spread))))
-    return intervals
+    return [round(settings.backoff(retry, rng.uniform(-1, 1))) for retry in range(settings.attempts - 1)]
 
 
 def queue_for(connection: Redis, name: str) -> Queue:
@@ -49,19 +48,23 @@ def enqueue(queue: Queue, job: CompensationJob, settings: WorkerSettings) -> boo
     retries = max(0, settings.attempts - 1 - job.attempts_used)
     intervals = backoff_intervals(settings)[settings.attempts - 1 - retries :]
     retry = Retry(max=retries, interval=intervals) if retries else None
+    options: dict[str, Any] = {
+        "job_id": job.job_id,
+        "unique": True,
+        "retry": retry,
+        "job_timeout": settings.job_timeout,
+        "result_ttl": 3600,
+        "failure_ttl": 7 * 86_400,
+        "description": f"compensate {job.workflow}/{job.step}: {job.server}:{job.operation_id}",
+        "meta": {"workflow": job.workflow, "step": job.step},
+    }
     try:
-        queue.enqueue(
-            JOB_FUNCTION,
-            job_payload(job),
-            job_id=job.job_id,
-            unique=True,
-            retry=retry,
-            job_timeout=settings.job_timeout,
-            result_ttl=3600,
-            failure_ttl=7 * 86_400,
-            description=f"compensate {job.workflow}/{job.step}: {job.server}:{job.operation_id}",
-            meta={"workflow": job.workflow, "step": job.step},
-        )
+        # A backoff to wait out first: RQ's scheduler releases it. RQ keeps whole seconds (it drops
+        # the fraction, which would cut the wait short): so the next whole second.
+        if (due := math.ceil(job.not_before)) > time.time():
+            queue.enqueue_at(datetime.fromtimestamp(due, UTC), JOB_FUNCTION, job_payload(job), **options)
+        else:
+            queue.enqueue(JOB_FUNCTION, job_payload(job), **options)
     except DuplicateJobError:
         return False
     return True

@@ -16,22 +16,38 @@ from typing import Any, NamedTuple
 
 import msgspec
 from mcp_saga.coordinator.machine import WorkflowView
-from mcp_saga.runtime.connect import Lua
-from mcp_saga.runtime.durability import Durability
+from mcp_saga.runtime.connect import Lua, is_cluster
+from mcp_saga.runtime.durability import Durability, Writes
 from mcp_saga.runtime.reader import decode_records
 from mcp_saga.schemas.config import CoordinatorSettings
-from mcp_saga.schemas.keys import STATUSES, Keys
+from mcp_saga.schemas.keys import STATUSES, Keys, key_slot
 from mcp_saga.schemas.records import Compensation, comp_decoder, comp_encoder, state_from_hash
 from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 from redis import Redis
-from redis.client import Pipeline
+from redis.connection import Connection
+from redis.exceptions import NoScriptError
 from rq import Queue
 from rq.job import Job
 
 LOG_MAXLEN = 10_000
+# record_steps.lua leaves a running workflow's TTL alone while more than its idle TTL is left, and
+# gives it the TTL plus this fraction of it when it renews: one EXPIRE per key in that many steps.
+TTL_SLACK_PARTS = 1000
 DeadEntry = tuple[bytes, dict[bytes, bytes], str]  # id, original fields, reason
 # One workflow's line for index.lua: workflow, createdAt, version, status, score, deadline.
 IndexItem = tuple[str, str, int, str, str, str]
+
+
+StepBatches = dict[str, tuple[int, list[tuple[Compensation, bytes, list[TimelineEntry]]]]]
+
+
+class InFlight(NamedTuple):
+    """record_steps' calls sent by `Store.record_ahead`, their replies not read yet."""
+
+    connection: Connection
+    batches: StepBatches
+    now: float
+    calls: list[tuple[list[str], list[str], list[Any]]]
 
 
 class Recorded(NamedTuple):
@@ -82,6 +98,7 @@ class Store:
         # With it, every commit pipeline ends with WAIT, and a commit too few replicas confirmed
         # raises NotReplicated before anything is dispatched or acknowledged.
         self.durability = durability
+        self.cluster = is_cluster(redis)
         self._apply = Lua(redis, load_script("apply.lua"))
         self._record_steps = Lua(redis, load_script("record_steps.lua"))
         self._index = Lua(redis, load_script("index.lua"))
@@ -123,7 +140,7 @@ class Store:
 
     def commit(self, views: list[WorkflowView]) -> list[bool]:
         """Apply each dirty view atomically; False where another coordinator changed it meanwhile."""
-        pipe = self.redis.pipeline(transaction=False)
+        writes = Writes(self.redis, self.durability)
         for view in views:
             state = view.state
             args: list[str | bytes | int] = [
@@ -144,27 +161,17 @@ class Store:
             args += flat_entries(view.log)
             for position, raw in view.set_steps.items():
                 args += (position, raw)
-            self._apply(keys=self.keys.workflow_keys(view.workflow), args=args, client=pipe)
-        oks = [bool(ok) for ok in self._execute(pipe, "commit")]
+            keys = self.keys.workflow_keys(view.workflow)
+            self._apply(keys=keys, args=args, client=writes.pipe(keys[0]))
+        oks = [bool(ok) for ok in writes.execute("coordinator commit")]
         for view, ok in zip(views, oks, strict=True):
             if ok and view.outcomes:
                 view.outbox.append(self.outbox_item(view))
         return oks
 
-    def _execute(self, pipe: Pipeline, what: str) -> list[Any]:
-        """The pipeline's replies; with durability, after a WAIT on the same connection covers its writes."""
-        if self.durability is None:
-            return pipe.execute()
-        self.durability.queue(pipe)
-        *replies, acknowledged = pipe.execute()
-        self.durability.check(acknowledged, f"coordinator {what}")
-        return replies
-
     def confirm(self) -> None:
-        """WAIT for what this connection wrote before, for a redelivered batch whose commit came earlier."""
-        if self.durability is not None:
-            pipe = self.redis.pipeline(transaction=False)
-            self._execute(pipe, "earlier commit")
+        """WAIT for what was written before, for a redelivered batch whose commit came earlier."""
+        Writes(self.redis, self.durability).confirm("coordinator earlier commit")
 
     def outbox_item(self, view: WorkflowView) -> bytes | str:
         """The transition's outcomes, each with an `id` that names it across re-sends."""
@@ -175,9 +182,7 @@ class Store:
             [msgspec.structs.replace(o, id=f"{base}/{n}").to_fields() for n, o in enumerate(view.outcomes)]
         )
 
-    def record_steps(
-        self, batches: dict[str, tuple[int, list[tuple[Compensation, bytes, list[TimelineEntry]]]]], now: float
-    ) -> dict[str, Recorded | None]:
+    def record_steps(self, batches: StepBatches, now: float) -> dict[str, Recorded | None]:
         """Record new steps of workflows believed running, without loading them first.
 
         workflow -> (the step count the records were numbered from, the planned steps). Returns
@@ -185,19 +190,94 @@ class Store:
         recorded meanwhile, a step already recorded): nothing was written, and the caller folds
         those events through the compare-and-set path.
         """
-        pipe = self.redis.pipeline(transaction=False)
+        writes = Writes(self.redis, self.durability)
+        groups = self._record_calls(batches, now)
+        for _, keys, args in groups:  # each call's keys are in one slot
+            self._record_steps(keys=keys, args=args, client=writes.pipe(keys[0]))
+        return self._recorded(batches, groups, writes.execute("coordinator steps"))
+
+    def _record_calls(self, batches: StepBatches, now: float) -> list[tuple[list[str], list[str], list[Any]]]:
+        """record_steps.lua's calls: (workflows, keys, args), one per slot (on one Redis: one for the batch)."""
+        slots: dict[int, list[str]] = {}
+        for workflow in batches:
+            slots.setdefault(key_slot(self.keys.state(workflow)) if self.cluster else 0, []).append(workflow)
         ttl = self.settings.idle_ttl
-        for workflow, (expected, steps) in batches.items():
-            args: list[str | bytes | int] = [f"{now:.6f}", ttl, LOG_MAXLEN, expected, len(steps)]
-            for comp, raw, entries in steps:
-                args += (comp.step, comp_encoder.encode(comp), raw, len(entries))
-                args += flat_entries(entries)
-            self._record_steps(keys=self.keys.workflow_keys(workflow), args=args, client=pipe)
-        replies = self._execute(pipe, "steps")
-        return {
-            workflow: Recorded(bool(reply[1]), len(steps), int(reply[2]), float(reply[3])) if reply[0] else None
-            for (workflow, (_, steps)), reply in zip(batches.items(), replies, strict=True)
-        }
+        calls = []
+        for workflows in slots.values():
+            keys: list[str] = []
+            args: list[Any] = [f"{now:.6f}", ttl, ttl // TTL_SLACK_PARTS, LOG_MAXLEN]
+            for workflow in workflows:
+                expected, steps = batches[workflow]
+                keys += self.keys.workflow_keys(workflow)
+                args += (expected, len(steps))
+                for comp, raw, entries in steps:
+                    args += (comp.step, comp_encoder.encode(comp), raw, len(entries))
+                    if entries:
+                        args += flat_entries(entries)
+            calls.append((workflows, keys, args))
+        return calls
+
+    @staticmethod
+    def _recorded(
+        batches: StepBatches, calls: list[tuple[list[str], list[str], list[Any]]], replies: list[Any]
+    ) -> dict[str, Recorded | None]:
+        found: dict[str, Recorded | None] = {}
+        for (workflows, _, _), reply in zip(calls, replies, strict=True):
+            for workflow, one in zip(workflows, reply, strict=True):
+                count = len(batches[workflow][1])
+                found[workflow] = Recorded(bool(one[1]), count, int(one[2]), float(one[3])) if one[0] else None
+        return found
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether `record_ahead` may be used: one Redis, and no WAIT to append to the commit."""
+        return not self.cluster and self.durability is None
+
+    def record_ahead(self, ahead: tuple[Any, ...], batches: StepBatches, now: float) -> tuple[Any, InFlight]:
+        """Send the command `ahead` and then `record_steps`' calls in one write, on a connection of
+        their own; return `ahead`'s reply as soon as it is read, and the recording to `collect`.
+
+        The coordinator sends the next read ahead of a batch's commit: Redis answers it first and
+        then runs the scripts, while the coordinator plans the batch it just read.
+        """
+        calls = self._record_calls(batches, now) if batches else []
+        sha = self._record_steps.sha
+        pool = self.redis.connection_pool
+        connection = pool.get_connection()
+        try:
+            commands = [ahead, *(("EVALSHA", sha, len(keys), *keys, *args) for _, keys, args in calls)]
+            connection.send_packed_command(connection.pack_commands(commands))
+            reply = self.redis.parse_response(connection, str(ahead[0]))
+        except BaseException:
+            connection.disconnect()
+            pool.release(connection)
+            raise
+        return reply, InFlight(connection, batches, now, calls)
+
+    def collect(self, flight: InFlight) -> dict[str, Recorded | None]:
+        """The replies of what `record_ahead` sent; a script Redis did not have is loaded and run again."""
+        pool = self.redis.connection_pool
+        replies: list[Any] = []
+        missing = False
+        try:
+            for _ in flight.calls:
+                try:
+                    replies.append(flight.connection.read_response())
+                except NoScriptError:  # a restart or SCRIPT FLUSH: the synchronous path loads it
+                    replies.append(None)
+                    missing = True
+        except BaseException:
+            flight.connection.disconnect()
+            raise
+        finally:
+            pool.release(flight.connection)
+        if missing:
+            done = [(call, r) for call, r in zip(flight.calls, replies, strict=True) if r is not None]
+            found = self._recorded(flight.batches, [c for c, _ in done], [r for _, r in done])
+            lost = [ws for (ws, _, _), r in zip(flight.calls, replies, strict=True) if r is None]
+            again = {w: flight.batches[w] for ws in lost for w in ws}
+            return found | self.record_steps(again, flight.now)
+        return self._recorded(flight.batches, flight.calls, replies)
 
     def follow_up(self, items: list[IndexItem], views: list[WorkflowView], dead: list[DeadEntry]) -> None:
         """What lives outside the workflows' slots: indexes and deadlines, outcomes, dead letters.
@@ -273,10 +353,11 @@ class Store:
         """Drop index and deadline entries whose workflow expired (its keys are gone).
 
         An index entry's score is when its workflow entered that status, and a workflow in it
-        lives at most that status's retention (idle TTL for the unsettled ones) after its last
-        change: so only entries older than that can be gone, and they sit at the low end of the
-        sorted set. Each sweep reads them a page at a time, up to `budget` pages, so the work
-        follows the rate workflows expire at instead of a fixed slice of every index.
+        lives at least that status's retention (idle TTL for the unsettled ones) after its last
+        change (a running one up to TTL_SLACK_PARTS-th of it longer): so only entries older than
+        that can be gone, and they sit at the low end of the sorted set; one still alive is kept.
+        Each sweep reads them a page at a time, up to `budget` pages, so the work follows the
+        rate workflows expire at instead of a fixed slice of every index.
         """
         now = time.time() if now is None else now
         removed = 0

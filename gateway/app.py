@@ -207,9 +207,8 @@ def serve_http(config: Config, redis_url: str, *, host: str | None = None, port:
             # Per-request work the gateway has no use for: it never reads the client's address, and
             # logs what it records itself.
             http="httptools",
-            # The pass-through's protocols are tested on asyncio's own loop; with uvloop installed
-            # (uvicorn[standard]) "auto" would pick it, and a call through it once hung there.
-            loop="asyncio",
+            # Named, never "auto" (which picks uvloop whenever it happens to be installed).
+            loop=settings.loop,
             proxy_headers=False,
             access_log=False,
             server_header=False,

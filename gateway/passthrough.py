@@ -144,6 +144,10 @@ class PassThrough:
             await _answer(send, 200, wire.error_response(peeked.id, types.INTERNAL_ERROR, str(exc)), _JSON)
             return
 
+        # Done once the client has its answer (or the exchange ended otherwise): the step's entry is built
+        # and written then, not on the call's path.
+        answered = asyncio.get_running_loop().create_future()
+
         async def record(message: dict[str, Any]) -> dict[str, Any]:
             result = message.get("result")
             if not isinstance(result, dict):
@@ -151,10 +155,13 @@ class PassThrough:
             if result.get("isError") or result.get("resultType") not in (None, "complete"):
                 gateway.settle_failed(self.name, workflow, str(tool), arguments, result, step)
                 return message  # not a completed step: a failure, or a round that asks for input first
-            recorded = await gateway.record(self.name, workflow, str(tool), arguments, result, step)
+            recorded = await gateway.record(self.name, workflow, str(tool), arguments, result, step, answered=answered)
             return {**message, "result": stamped(result, workflow, recorded)}
 
-        await self._forward("POST", headers, self._body(peeked, body, extra), send, watch, peeked.id, record)
+        try:
+            await self._forward("POST", headers, self._body(peeked, body, extra), send, watch, peeked.id, record)
+        finally:
+            answered.set_result(None)
 
     def _body(self, peeked: wire.Peeked, body: bytes, add: dict[str, Any] | None = None) -> bytes:
         return wire.forwarded(peeked, WORKFLOW_META_KEY, self.client, add) or body

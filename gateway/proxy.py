@@ -19,6 +19,7 @@ does for our own servers), together with the `_meta` mirror, the operator's over
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 import weakref
@@ -284,17 +285,21 @@ class Gateway:
         arguments: dict[str, Any],
         result: dict[str, Any],
         step: str | None = None,
+        *,
+        answered: asyncio.Future[None] | None = None,
     ) -> str:
-        """Queue the step-completed of a call that succeeded; a step that cannot be recorded poisons its workflow."""
+        """Queue the step-completed of a call that succeeded; a step that cannot be recorded poisons its workflow.
+
+        Its entry is built (encoded, checked) and written once `answered` is done (the client has its
+        answer): the result is not changed afterwards (`stamped` copies it), so the step holds what
+        the upstream returned."""
         step = step or self._next_step(tool)
         recovery, annotations = await self._declaration(name, workflow, step, tool)
-        try:
-            fields = step_entry(workflow, step, name, tool, arguments, result, recovery, annotations)
-        except ValueError as exc:
-            self.recorder.lose(workflow, f"step {step!r}: {exc}")
-            log.error("step not recordable", workflow=workflow, step=step, error=str(exc))
-            return step
-        self.recorder.completed(workflow, step, fields)
+
+        def entry() -> dict[bytes, bytes]:
+            return step_entry(workflow, step, name, tool, arguments, result, recovery, annotations)
+
+        self.recorder.completed(workflow, step, entry, after=answered)
         return step
 
     async def _declaration(self, name: str, workflow: str, step: str, tool: str) -> tuple[Any, dict[str, Any] | None]:

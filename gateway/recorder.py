@@ -1,11 +1,13 @@
 """What the gateway writes to `saga:events`, in order, and what it does when it cannot.
 
 Each workflow's events go out one after another (a chain of tasks), so the stream holds its steps
-in completion order while the agent's next call already runs. An XADD that fails is retried with
-backoff for `publish_retry_for` seconds; a step still unwritten then poisons its workflow: every
-later call of it is refused, because forwarding calls whose trail is broken would let the agent
-pile up effects nobody can undo. While Redis does not answer at all, new calls of every workflow
-are refused before they are forwarded.
+in completion order. A step-completed is queued when the upstream answers and built and written
+once the client has its answer (the entry, its checks and the XADD are off the call's path). An
+XADD that fails is retried with backoff for `publish_retry_for` seconds; the workflow's next call
+waits for its earlier steps to be written before it goes out, and a step still unwritten then
+poisons its workflow: every later call of it is refused, because forwarding calls whose trail is
+broken would let the agent pile up effects nobody can undo. While Redis does not answer at all,
+new calls of every workflow are refused before they are forwarded.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +29,9 @@ log = get_logger("gateway")
 
 # A health probe shorter than the agent's patience: a refused call comes back in about this long.
 PING_TIMEOUT = 1.0
+
+
+Entry = dict[bytes, bytes]
 
 
 class NotRecordable(Exception):
@@ -65,17 +71,28 @@ class Recorder:
         return state
 
     async def admit(self, workflow: str) -> None:
-        """Raise `NotRecordable` for a call that must not be forwarded; otherwise note the workflow as active."""
+        """Raise `NotRecordable` for a call that must not be forwarded; otherwise note the workflow as active.
+
+        A call waits for the workflow's earlier steps to be written (they are retried for up to
+        `retry_for`): one that could not be is known before this call goes out, not after.
+        """
         state = self._state(workflow)
         state.last_seen = time.monotonic()
+        self._check_lost(workflow, state)
+        if not self._healthy and not await self.ping():
+            raise NotRecordable(
+                "Redis is unreachable, so the gateway could not record this call; it was not forwarded (retry later)"
+            )
+        if state.tail is not None and not state.tail.done():
+            await asyncio.wait([state.tail])
+            self._check_lost(workflow, state)
+
+    @staticmethod
+    def _check_lost(workflow: str, state: _Workflow) -> None:
         if state.lost is not None:
             raise NotRecordable(
                 f"workflow {workflow!r} has a step the gateway could not record ({state.lost}); "
                 "refusing further calls of it: signal the failure, and check it with `saga inspect`"
-            )
-        if not self._healthy and not await self.ping():
-            raise NotRecordable(
-                "Redis is unreachable, so the gateway could not record this call; it was not forwarded (retry later)"
             )
 
     async def ping(self) -> bool:
@@ -107,20 +124,53 @@ class Recorder:
             ) from exc
         self._healthy = True
 
-    def completed(self, workflow: str, step: str, fields: dict[bytes, bytes], *, failed: bool = False) -> None:
+    def completed(
+        self,
+        workflow: str,
+        step: str,
+        fields: Entry | Callable[[], Entry],
+        *,
+        failed: bool = False,
+        after: asyncio.Future[None] | None = None,
+    ) -> None:
         """The call answered: its step-completed settles the intent (queued like any step). `failed`: an
         `isError` answer, which settles the intent but is no completed step for `stepsCompleted`."""
-        self.step(workflow, step, fields, counted=not failed)
+        self.step(workflow, step, fields, counted=not failed, after=after)
 
-    def step(self, workflow: str, step: str, fields: dict[bytes, bytes], *, counted: bool = True) -> None:
-        """Queue a checked step-completed entry behind the workflow's earlier events."""
+    def step(
+        self,
+        workflow: str,
+        step: str,
+        fields: Entry | Callable[[], Entry],
+        *,
+        counted: bool = True,
+        after: asyncio.Future[None] | None = None,
+    ) -> None:
+        """Queue a step-completed behind the workflow's earlier events: its checked entry, or the function
+        that builds it, called when its turn comes and `after` is done (the client has the answer). One
+        whose entry cannot be built (`ValueError`: it cannot be recorded at all) poisons the workflow."""
         state = self._state(workflow)
         state.steps += counted
-        state.tail = asyncio.create_task(self._write(workflow, step, fields, state.tail))
+        state.tail = asyncio.create_task(self._write(workflow, step, fields, state.tail, after))
 
-    async def _write(self, workflow: str, step: str, fields: dict[bytes, bytes], previous: Any) -> None:
-        if previous is not None:
-            await asyncio.wait([previous])
+    async def _write(
+        self,
+        workflow: str,
+        step: str,
+        fields: Entry | Callable[[], Entry],
+        previous: Any,
+        after: asyncio.Future[None] | None,
+    ) -> None:
+        waits = [task for task in (previous, after) if task is not None]
+        if waits:
+            await asyncio.wait(waits)
+        if callable(fields):
+            try:
+                fields = fields()
+            except ValueError as exc:
+                self._state(workflow).lost = f"step {step!r}: {exc}"
+                log.error("step not recordable", workflow=workflow, step=step, error=str(exc))
+                return
         deadline, delay = time.monotonic() + self.retry_for, 0.05
         while True:
             try:
@@ -136,12 +186,6 @@ class Recorder:
                 log.warning("step not written yet; retrying", workflow=workflow, step=step, error=repr(exc))
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())) * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)
-
-    def lose(self, workflow: str, why: str) -> None:
-        """A completed call that cannot be recorded at all: counted, and its workflow refuses further calls."""
-        state = self._state(workflow)
-        state.steps += 1
-        state.lost = why
 
     async def flush(self, workflow: str) -> None:
         state = self.workflows.get(workflow)

@@ -15,6 +15,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -74,8 +75,10 @@ class _Connection(asyncio.Protocol):
         return self.got_headers
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # Not an isinstance check: uvloop's TCPTransport has the methods of asyncio.Transport but is
+        # no subclass of it; the assertion failed inside uvloop's callback and left the connection
+        # without its transport (the call through the gateway then failed or hung).
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         try:

@@ -72,6 +72,12 @@ class Lua:
         self.client, self.text = client, text
         self._script: Script | None = None if is_cluster(client) else client.register_script(text)  # type: ignore[union-attr]
 
+    @property
+    def sha(self) -> str:
+        """The script's digest, for an EVALSHA sent by hand (one Redis only: a cluster sends the text)."""
+        assert self._script is not None, "EVALSHA by hand is for one Redis, not a cluster"
+        return self._script.sha
+
     def __call__(self, keys: list[str] | tuple[str, ...], args: list[Any], client: Any = None) -> Any:
         """Run it on `client` (a pipeline, say), else on the client it was made for."""
         if self._script is not None:

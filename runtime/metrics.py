@@ -195,20 +195,38 @@ def heartbeat() -> None:
 # Worker hooks --------------------------------------------------------------------------------
 
 
+# The series one report counts in, by (server, operation, outcome) as reported: `.labels(...)`
+# checks its arguments and takes the metric's lock on every call, which was a third of what
+# `reported` cost per attempt. Bounded as the labels are: LABEL_CAP pairs (then `other`) x outcomes.
+_report_series: dict[tuple[str | None, str | None, str], tuple[Any, Any, Any]] = {}
+
+
+def _series(server: str | None, operation: str | None, outcome: str) -> tuple[Any, Any, Any]:
+    """(attempts by outcome, attempt duration, attempts used) children for one report's labels."""
+    found = _report_series.get((server, operation, outcome))
+    if found is None:
+        labels = _pairs(server, operation)
+        seconds = None if outcome == "refused" else ATTEMPT_SECONDS.labels(*labels)  # a refusal called nothing
+        found = (OUTCOMES.labels(*labels, outcome), seconds, ATTEMPTS_USED.labels(outcome))
+        if labels != (OTHER, OTHER):  # an `other` pair stays uncached, so the cache stays within the cap
+            _report_series[(server, operation, outcome)] = found
+    return found
+
+
 def reported(payload: Payload) -> None:
     """One attempt report of a worker: its outcome, duration and, when final, the attempts it took."""
     if not isinstance(payload, Report):
         return
-    server, operation = _pairs(payload.server, payload.operation_id)
     if isinstance(payload, CompensationRefused):
         outcome = "refused"
     else:
         outcome = payload.TYPE.removeprefix("compensation-") if payload.final else "retrying"
-        if payload.duration_ms is not None:
-            ATTEMPT_SECONDS.labels(server, operation).observe(payload.duration_ms / 1000)
-    OUTCOMES.labels(server, operation, outcome).inc()
+    outcomes, seconds, used = _series(payload.server, payload.operation_id, outcome)
+    if seconds is not None and payload.duration_ms is not None:
+        seconds.observe(payload.duration_ms / 1000)
+    outcomes.inc()
     if payload.final:
-        ATTEMPTS_USED.labels(outcome).observe(payload.attempt)
+        used.observe(payload.attempt)
 
 
 class CountingRetry(Retry):

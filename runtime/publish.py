@@ -17,7 +17,13 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
-from mcp_saga.runtime.durability import Durability, NotReplicated
+from mcp_saga.runtime.durability import (
+    TOPOLOGY_ERRORS,
+    Durability,
+    NotReplicated,
+    Writes,
+    node_client_async,
+)
 from mcp_saga.schemas.events import (
     MAX_DATA_BYTES,
     TEXT_MAX,
@@ -44,6 +50,7 @@ from mcp_saga.schemas.pointer import format_pointer
 from mcp_saga.schemas.records import forward_key
 from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 from pydantic import BaseModel
+from redis.exceptions import RedisClusterException, RedisError, TryAgainError
 
 if TYPE_CHECKING:
     import redis
@@ -332,14 +339,12 @@ class Publisher(_Base):
             return _entry_id(self.redis.xadd(stream, entry))  # type: ignore[arg-type]
         waits = _resend_waits()
         while True:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(stream, entry)  # type: ignore[arg-type]
-            self.durability.queue(pipe)
-            entry_id, acknowledged = pipe.execute()
+            writes = Writes(self.redis, self.durability)
+            writes.pipe(stream).xadd(stream, entry)
             try:
-                self.durability.check(acknowledged, what)
+                [entry_id] = writes.execute(what)
                 return _entry_id(entry_id)
-            except NotReplicated:
+            except (NotReplicated, TryAgainError):
                 wait = next(waits, None)
                 if wait is None:
                     raise
@@ -385,6 +390,11 @@ class AsyncPublisher(_Base):
 
     redis: redis.asyncio.Redis
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # On a cluster with durability, a client of each primary's own (node_client_async).
+        self._nodes: dict[str, redis.asyncio.Redis] = {}
+
     async def publish(self, workflow: str, payload: Payload) -> str:
         return await self.add(workflow, checked_entry(workflow, payload), f"{payload.TYPE} of {workflow[:80]!r}")
 
@@ -394,13 +404,22 @@ class AsyncPublisher(_Base):
             return _entry_id(await self.redis.xadd(stream, entry))  # type: ignore[arg-type]
         waits = _resend_waits()
         while True:
-            pipe = self.redis.pipeline(transaction=False)
+            node = await node_client_async(self.redis, stream, self._nodes)
+            pipe = node.pipeline(transaction=False)
             pipe.xadd(stream, entry)  # type: ignore[arg-type]
             self.durability.queue(pipe)
-            entry_id, acknowledged = await pipe.execute()
             try:
+                entry_id, acknowledged = await pipe.execute()
                 self.durability.check(acknowledged, what)
                 return _entry_id(entry_id)
+            except TOPOLOGY_ERRORS:  # a failover or resharding (see runtime/durability.py)
+                if node is self.redis:
+                    raise
+                with contextlib.suppress(RedisError, RedisClusterException):  # no node answers yet: next time
+                    await self.redis.nodes_manager.initialize()
+                wait = next(waits, None)
+                if wait is None:
+                    raise
             except NotReplicated:
                 wait = next(waits, None)
                 if wait is None:

@@ -32,6 +32,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from types import SimpleNamespace, TracebackType
 from typing import TYPE_CHECKING, Any
 
 from mcp_saga.schemas.events import Report, StepCompleted, TraceContext
@@ -60,10 +61,13 @@ def remember(workflow: str, carrier: Mapping[str, str] | TraceContext | None) ->
     """Note a workflow's trace id (from a `traceparent`), so its log lines can carry it."""
     traceparent = carrier.traceparent if isinstance(carrier, TraceContext) else (carrier or {}).get("traceparent")
     match = TRACEPARENT.match(traceparent or "")
-    if match is None:
-        return
+    if match is not None:
+        _remember_id(workflow, match["trace"])
+
+
+def _remember_id(workflow: str, trace: str) -> None:
     with _recent_lock:
-        _recent[workflow] = match.group("trace")
+        _recent[workflow] = trace
         _recent.move_to_end(workflow)
         if len(_recent) > _RECENT_MAX:
             _recent.popitem(last=False)
@@ -115,8 +119,20 @@ def setup(component: str) -> bool:
                 return trace.NoOpTracer()  # hands on the current context, records nothing
             return super().get_tracer(instrumenting_module_name, *args, **kwargs)
 
+    class Hashed(Resource):
+        """The resource, its hash computed once: the OTLP exporter groups the spans of each batch by
+        resource, hashing it twice per span, and Resource hashes a JSON dump of its attributes (a
+        tenth of what the worker's span costs). A resource is immutable, so its hash never changes."""
+
+        def __init__(self, resource: Resource) -> None:
+            super().__init__(resource.attributes, resource.schema_url)
+            self._hash = super().__hash__()
+
+        def __hash__(self) -> int:
+            return self._hash
+
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"saga-{component}"})
-    provider = Provider(resource=resource)
+    provider = Provider(resource=Hashed(resource))
     for exporter in _exporters():
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
@@ -165,9 +181,7 @@ def shutdown() -> None:
 def _provided() -> tuple[Any, Any, bool]:
     """(provider, this package's tracer, whether its sampler drops unsampled remote parents), made
     once per provider: the SDK builds a new tracer (and its scope) on every `get_tracer`."""
-    from opentelemetry import trace
-
-    provider = trace.get_tracer_provider()
+    provider = _api().trace.get_tracer_provider()
     cached = _state["tracer"]
     if cached is None or cached[0] is not provider:
         sampler = getattr(provider, "sampler", None)
@@ -185,27 +199,47 @@ def _parent(carrier: Mapping[str, str] | None) -> Any:
     behind a composite) cost as much as the span itself. Anything unusual goes to the propagator."""
     if not carrier:
         return None
-    from opentelemetry import trace
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+    return _context_of(TRACEPARENT.match(carrier.get("traceparent") or ""), carrier)
 
-    match = TRACEPARENT.match(carrier.get("traceparent") or "")
+
+def _api() -> Any:
+    """The OpenTelemetry API names a span needs, imported once: an import statement in a function
+    runs the import machinery on every call, and a worker's attempt went through four."""
+    api = _state.get("api")
+    if api is None:
+        from opentelemetry import trace
+        from opentelemetry.context import Context
+
+        api = _state["api"] = SimpleNamespace(
+            trace=trace,
+            Context=Context,
+            CLIENT=trace.SpanKind.CLIENT,
+            NonRecordingSpan=trace.NonRecordingSpan,
+            SpanContext=trace.SpanContext,
+            TraceFlags=trace.TraceFlags,
+            TraceState=trace.TraceState,
+        )
+    return api
+
+
+def _context_of(match: re.Match[str] | None, carrier: Mapping[str, str]) -> Any:
+    """`_parent`'s work, for a caller that has matched the carrier's `traceparent` already."""
     if match is None or match["version"] != "00":
         from opentelemetry.propagate import extract
 
         return extract(dict(carrier))
+    api = _api()
     state = carrier.get("tracestate")
-    context = SpanContext(
+    context = api.SpanContext(
         int(match["trace"], 16),
         int(match["span"], 16),
         is_remote=True,
-        trace_flags=TraceFlags(int(match["flags"], 16)),
-        trace_state=TraceState.from_header([state]) if state else None,
+        trace_flags=api.TraceFlags(int(match["flags"], 16)),
+        trace_state=api.TraceState.from_header([state]) if state else None,
     )
     if not context.is_valid:  # all-zero ids: a fresh trace, as the propagator would start
-        from opentelemetry.context import Context
-
-        return Context()
-    return trace.set_span_in_context(NonRecordingSpan(context))
+        return api.Context()
+    return api.trace.set_span_in_context(api.NonRecordingSpan(context))
 
 
 def records(carrier: Mapping[str, str]) -> bool:
@@ -215,7 +249,10 @@ def records(carrier: Mapping[str, str]) -> bool:
     (ParentBased); the span would then be a placeholder with a new id that nobody sees, so the
     carrier is handed on as it is and no span is made at all.
     """
-    match = TRACEPARENT.match(carrier.get("traceparent") or "")
+    return _records(TRACEPARENT.match(carrier.get("traceparent") or ""))
+
+
+def _records(match: re.Match[str] | None) -> bool:
     if match is None or int(match["flags"], 16) & 1:
         return True
     return not _provided()[2]
@@ -367,27 +404,39 @@ def _with_trace(job: CompensationJob, carrier: dict[str, str]) -> CompensationJo
 
 
 class Attempt:
-    """One compensation attempt's span, or the job's context passed through when this worker does not trace."""
+    """One compensation attempt's span, or the job's context passed through when this worker does not trace.
+
+    The worker's per-attempt cost of tracing (issue 17, Cost: at most 5% of its throughput) is
+    mostly the SDK's: making the span, and encoding it to protobuf in the exporter's thread, where
+    each attribute costs about as much again as it does here. So the span carries only what a
+    trace is read by (workflow, step, server, tool; then attempt and outcome), the `traceparent`
+    is matched once, and the parent context is built from that match without the propagator.
+    """
+
+    __slots__ = ("carrier", "span")
 
     def __init__(self, job: CompensationJob) -> None:
         self.span: Any = None
-        self.carrier = dict(job.trace) if job.trace and TRACEPARENT.match(job.trace.get("traceparent", "")) else {}
-        if self.carrier:
-            remember(job.workflow, self.carrier)
-        if self.carrier and active() and records(self.carrier):
-            self.span = start_span(
-                f"saga compensation {job.operation_id}",
-                self.carrier,
-                kind="CLIENT",  # the span of the tools/call itself: the server continues it from `_meta`
-                **{
-                    "saga.workflow": job.workflow,
-                    "saga.step": job.step,
-                    "saga.dispatch": job.dispatch,
-                    "saga.server": job.server,
-                    "gen_ai.tool.name": job.operation_id,
-                },
-            )
-            self.carrier = carrier_of(self.span)
+        self.carrier: dict[str, str] = {}
+        match = TRACEPARENT.match(job.trace.get("traceparent") or "") if job.trace else None
+        if match is None:
+            return
+        self.carrier = dict(job.trace or {})
+        _remember_id(job.workflow, match["trace"])
+        if not active() or not _records(match):
+            return
+        self.span = _tracer().start_span(
+            f"saga compensation {job.operation_id}",
+            context=_context_of(match, self.carrier),
+            kind=_api().CLIENT,  # the span of the tools/call itself: the server continues it from `_meta`
+            attributes={
+                "saga.workflow": job.workflow,
+                "saga.step": job.step,
+                "saga.server": job.server,
+                "gen_ai.tool.name": job.operation_id,
+            },
+        )
+        self.carrier = carrier_of(self.span)
 
     def wire(self) -> TraceContext | None:
         return to_wire(self.carrier)
@@ -396,23 +445,24 @@ class Attempt:
         if self.span is None:
             return
         self.span.set_attributes({"saga.attempt": report.attempt, "saga.outcome": report.TYPE})
-        error = getattr(report, "error", None) or getattr(report, "reason", None)
         if report.TYPE not in ("compensation-succeeded", "recall-succeeded"):
-            fail(self.span, error or report.TYPE)
+            fail(self.span, getattr(report, "error", None) or getattr(report, "reason", None) or report.TYPE)
 
     def end(self) -> None:
         if self.span is not None:
             self.span.end()
             self.span = None
 
+    def __enter__(self) -> Attempt:
+        return self
 
-@contextmanager
-def attempt(job: CompensationJob) -> Iterator[Attempt]:
-    traced = Attempt(job)
-    try:
-        yield traced
-    finally:
-        traced.end()
+    def __exit__(self, *_: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.end()
+
+
+def attempt(job: CompensationJob) -> Attempt:
+    """`with attempt(job) as traced:` the attempt's span, ended on the way out, whatever happens."""
+    return Attempt(job)
 
 
 # The agent (SDK) ------------------------------------------------------------------------------

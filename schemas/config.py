@@ -151,14 +151,20 @@ class WorkerSettings(_Strict):
     tools_ttl: float = Field(default=30.0, ge=0, description="seconds a server's tools/list is cached")
     job_timeout: int = Field(default=300, ge=1)
 
-    def retry_wait(self, retry: int) -> float:
-        """The longest RQ may park retry number `retry` (0-based, over the compensation's budget).
+    def backoff(self, retry: int, spread: float = 0.0) -> float:
+        """Seconds before retry number `retry` (0-based, over the compensation's budget).
 
-        The same formula `backoff_intervals` draws from, at its jitter's top, plus the rounding to
-        whole seconds and one scheduler poll: the coordinator counts silence only after this.
+        Exponential, bounded by `backoff_max`; `spread` in [-1, 1] places it within the jitter, so
+        that compensations which failed together (a server that was down) do not return in one burst.
         """
         base = min(self.backoff_max, self.backoff_base * 2 ** max(0, retry))
-        return base * (1 + self.jitter) + 1.5
+        return max(0.0, base * (1 + self.jitter * spread))
+
+    def retry_wait(self, retry: int) -> float:
+        """The longest RQ may park retry number `retry`: the backoff at its jitter's top, plus the
+        rounding to whole seconds and one scheduler poll. The coordinator counts silence only after this.
+        """
+        return self.backoff(retry, 1.0) + 1.5
 
     @property
     def slots_per_server(self) -> int:
@@ -207,6 +213,8 @@ class GatewaySettings(_Strict):
     # Write each call's intent (step-started) and have Redis acknowledge it before forwarding, so
     # that a call whose answer is lost is settled in the unwind; off saves that round trip per call.
     intents: bool = True
+    # The HTTP side's event loop: "uvloop" (libuv's, needs the uvloop package) or asyncio's own.
+    loop: Literal["asyncio", "uvloop"] = "asyncio"
 
     @model_validator(mode="after")
     def _anonymous_on_loopback(self) -> GatewaySettings:
@@ -231,7 +239,8 @@ class RedisSettings(_Strict):
     `sentinels` + `master` are the config form of a `redis+sentinel://` URL (runtime/sentinel.py):
     every process then asks the sentinels for the current primary and follows a failover.
     `wait_replicas` > 0 makes publishers and the coordinator call WAIT after their writes and treat
-    a write fewer replicas confirmed within `wait_timeout_ms` as not acknowledged (README "Failover").
+    a write fewer replicas confirmed within `wait_timeout_ms` as not acknowledged (README "Failover");
+    on a cluster, each primary a batch wrote to must confirm it (runtime/durability.py `Writes`).
     """
 
     # Run even though the server's maxmemory-policy may delete keys (see runtime/redis_checks.py).
@@ -263,8 +272,6 @@ class RedisSettings(_Strict):
             raise ValueError(f"master = {self.master!r} needs sentinels = ['host:port', ...] to ask for it")
         if self.cluster and self.sentinels:
             raise ValueError("cluster = true and sentinels: a Redis Cluster fails over by itself; keep one of them")
-        if self.cluster and self.wait_replicas:
-            raise ValueError("wait_replicas is not supported with cluster = true yet (WAIT is per node connection)")
         return self
 
     @model_validator(mode="after")

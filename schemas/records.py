@@ -125,7 +125,8 @@ class Compensation(Struct, rename="camel", omit_defaults=False):
     if_in_doubt: CompStatus | None = None
     recovery: dict[str, Any] | None = None
     # When the retry RQ scheduled after the current dispatch's last failed attempt is due at the
-    # latest (0: none waits): silence counts from here, so a retry's backoff is never silence.
+    # latest (0: none waits): silence counts from here, so a retry's backoff is never silence. For a
+    # failed step of a routing slip (no RQ retry behind it): when its next dispatch may run.
     retry_at: float = 0.0
     # The RQ job id of the routing slip that carries this dispatch behind the slip's first step
     # ('' when the dispatch is a job of its own): the watchdog reads that job's status.
@@ -159,6 +160,9 @@ class CompensationJob(Struct, rename="camel", frozen=True):
     # The routing slip: compensations to run after this one, in this order, once it succeeded and
     # while each next one's record still says it is queued under this slip (see workers/job.py).
     then: tuple[CompensationJob, ...] = ()
+    # Epoch seconds before which the job must not run (0: at once): a re-dispatch after a failed
+    # attempt that had no RQ retry behind it (a step of a routing slip) waits out the backoff.
+    not_before: float = 0.0
 
     @property
     def job_id(self) -> str:

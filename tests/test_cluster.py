@@ -10,16 +10,23 @@ fail and are undone in LIFO order; the operator commands gather across partition
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import redis
+import redis.asyncio
 from mcp import Client
 from mcp_saga.cli.main import main
 from mcp_saga.examples import SERVERS
 from mcp_saga.examples.ledger import read_state
+from mcp_saga.runtime import publish
+from mcp_saga.runtime.connect import evaluate
+from mcp_saga.runtime.durability import Durability, NotReplicated, Writes
+from mcp_saga.runtime.publish import AsyncPublisher, Publisher
 from mcp_saga.schemas.config import parse_config, write_config
 from mcp_saga.schemas.events import WORKFLOW_META_KEY, WorkflowCompleted, entry_fields
 from mcp_saga.schemas.keys import Keys, PartitionUnbound
@@ -133,7 +140,8 @@ def test_coordinators_workers_sdk_and_gateway_unwind_every_partition(
                 "coordinator": {"block_ms": 50},
                 "worker": {"backoff_base": 0, "jitter": 0, "concurrency": 2},
                 "gateway": {"port": port, "tools": True, "allow_anonymous": True},
-                "redis": setup.redis_settings(PARTITIONS),
+                # WAIT-based durability on the cluster: every event and commit confirmed by its replica.
+                "redis": setup.redis_settings(PARTITIONS, wait_replicas=1),
             }
         )
         path = write_config(config, tmp_path / "saga.toml")
@@ -252,3 +260,82 @@ def test_the_partition_count_is_recorded_and_a_one_partition_deployment_is_recog
     check_layout(r, K)
     with pytest.raises(RedisSetupError, match=r"written with 3 partition\(s\).*partitions = 1"):
         check_layout(r, Keys())
+
+
+# WAIT-based durability (`[redis] wait_replicas`) -------------------------------------------------
+
+
+def on_replica(client: Any, key: str) -> redis.Redis:
+    """A connection to the replica of `key`'s primary that may read its slots (READONLY)."""
+    linked = client.get_node_from_key(key).redis_connection.info("replication")["slave0"]  # the primary says
+    replica = redis.Redis(host=linked["ip"], port=linked["port"], single_connection_client=True)
+    replica.execute_command("READONLY")
+    return replica
+
+
+def test_with_wait_each_event_is_on_the_replica_when_it_is_acknowledged(redis_cluster: Any) -> None:
+    """Sync and asyncio publishers on a cluster: an acknowledged event is already on its replica.
+
+    Replication on loopback is fast but asynchronous; reading the replica right after each
+    acknowledgement, with no wait, checks that the WAIT ran on the connection that wrote.
+    """
+    setup = redis_cluster
+    setup.flush()
+    durability = Durability(replicas=1, timeout_ms=2000)
+    workflows = ids("durable", 3)
+    with contextlib.closing(setup.client()) as client:
+        publisher = Publisher(client, "saga", PARTITIONS, durability=durability)
+        replicas = {wf: on_replica(client, publisher.stream_for(wf)) for wf in workflows}
+        try:
+            for wf in workflows:
+                entry_id = publisher.publish(wf, WorkflowCompleted())
+                assert replicas[wf].xrange(publisher.stream_for(wf), entry_id, entry_id), wf
+
+            async def publish_async() -> list[tuple[str, str]]:
+                client = redis.asyncio.RedisCluster.from_url(setup.url)
+                publisher = AsyncPublisher(client, "saga", PARTITIONS, durability=durability)
+                try:
+                    return [(wf, await publisher.publish(wf, WorkflowCompleted())) for wf in workflows]
+                finally:
+                    await client.aclose()
+                    for node in publisher._nodes.values():
+                        await node.aclose()
+
+            for wf, entry_id in asyncio.run(publish_async()):
+                stream = publisher.stream_for(wf)
+                assert replicas[wf].xrange(stream, entry_id, entry_id), wf
+        finally:
+            for replica in replicas.values():
+                replica.close()
+
+
+def test_a_wait_counts_the_replicas_of_the_node_that_wrote(redis_cluster: Any, monkeypatch: Any) -> None:
+    """Each primary here has one replica: asking for two is refused as not acknowledged (NOREPLICAS)."""
+    monkeypatch.setattr(publish, "NOT_REPLICATED_RETRY_FOR", 0.0)  # one re-send, then the error
+    setup = redis_cluster
+    setup.flush()
+    with contextlib.closing(setup.client()) as client:
+        publisher = Publisher(client, "saga", PARTITIONS, durability=Durability(replicas=2, timeout_ms=50))
+        with pytest.raises(NotReplicated, match="confirmed by 1 of 2"):
+            publisher.publish("durable-x", WorkflowCompleted())
+
+
+def test_a_durable_batch_across_primaries_replies_in_order_each_write_on_its_replica(redis_cluster: Any) -> None:
+    """The coordinator's commit path (`Writes`): scripts of workflows on every primary in one batch."""
+    setup = redis_cluster
+    setup.flush()
+    workflows = ids("batch", 2)
+    with contextlib.closing(setup.client()) as client:
+        writes = Writes(client, Durability(replicas=1, timeout_ms=2000))
+        script = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
+        for n, wf in enumerate(workflows):
+            key = K.state(wf)
+            evaluate(writes.pipe(key), script, [key], [n + 1])
+        assert writes.execute("batch") == [n + 1 for n in range(len(workflows))]
+        assert len({client.get_node_from_key(K.state(wf)).name for wf in workflows}) == PARTITIONS
+        for n, wf in enumerate(workflows):
+            replica = on_replica(client, K.state(wf))
+            try:
+                assert replica.get(K.state(wf)) == str(n + 1).encode()
+            finally:
+                replica.close()

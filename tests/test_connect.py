@@ -8,7 +8,7 @@ import pytest
 import redis
 from mcp_saga.cli.args import CliError, redis_url
 from mcp_saga.runtime.connect import connect, connect_async
-from mcp_saga.runtime.durability import Durability, NotReplicated
+from mcp_saga.runtime.durability import Durability, NotReplicated, topology_changed
 from mcp_saga.runtime.publish import Publisher
 from mcp_saga.runtime.redis_checks import healing_condition
 from mcp_saga.runtime.sentinel import (
@@ -71,7 +71,6 @@ def test_the_config_form_is_the_same_url_and_both_at_once_is_a_mistake() -> None
         ({"wait_replicas": -1}, r"redis\.wait_replicas"),
         ({"wait_timeout_ms": 0}, r"redis\.wait_timeout_ms"),
         ({"cluster": True, "queue_url": "redis://q:1/0", "sentinels": ["h:1"], "master": "m"}, "keep one"),
-        ({"cluster": True, "queue_url": "redis://q:1/0", "wait_replicas": 1}, "not supported with cluster"),
     ],
 )
 def test_config_mistakes_name_the_field(section: dict, says: str) -> None:
@@ -119,6 +118,8 @@ def test_a_write_too_few_replicas_confirmed_is_a_condition_to_wait_out() -> None
     # What Redis answers under `min-replicas-to-write` is the same condition.
     assert healing_condition(redis.ResponseError("NOREPLICAS Not enough good replicas to write.")) == "NOREPLICAS"
     assert Durability.of(RedisSettings()) is None
+    # A durable write on a cluster that met MOVED or a dead node: the same, once the topology is refreshed.
+    assert healing_condition(topology_changed(redis.exceptions.MovedError("3999 127.0.0.1:6381"))) == "TRYAGAIN"
     assert Durability.of(RedisSettings(wait_replicas=1, wait_timeout_ms=50)) == Durability(1, 50)
 
 

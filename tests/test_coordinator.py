@@ -217,3 +217,91 @@ def test_sigterm_finishes_the_batch_and_exits_zero(r: redis.Redis, redis_url: st
     publish(r, "t", step("a"))
     wait_for(lambda: r.exists(K.state("t")), 30, "the step to be recorded")
     assert stop(proc, signal.SIGTERM) == 0
+
+
+# Ingest overlapped with the commit (issue 15): the next read goes out ahead of a batch's commit.
+
+
+def small_batches(r: redis.Redis, batch: int) -> Coordinator:
+    config = parse_config({"coordinator": {"block_ms": 10, "claim_idle_ms": 10_000, "batch": batch}})
+    c = Coordinator(r, config, name="overlap")
+    c.ensure_group()
+    return c
+
+
+def test_a_batch_read_ahead_is_acknowledged_only_after_its_commit(r: redis.Redis) -> None:
+    coord = small_batches(r, 2)
+    assert coord.store.overlaps
+    publish(r, "order-1", step("a"), step("b"))
+    publish(r, "order-2", step("x"), step("y"))
+    first = coord.step()
+    # order-1 is committed and acknowledged; order-2 was read ahead and planned, nothing of it is written
+    assert first.events == 2 and r.hget(K.state("order-1"), "steps") == b"2"
+    assert not r.exists(K.state("order-2"))
+    assert r.xpending(K.events, K.group)["pending"] == 2  # the batch read ahead: delivered, not acknowledged
+    assert coord.step().events == 2
+    assert r.hget(K.state("order-2"), "steps") == b"2" and r.xpending(K.events, K.group)["pending"] == 0
+
+
+def test_a_workflow_in_two_batches_in_flight_keeps_its_order_and_numbering(r: redis.Redis) -> None:
+    """The second batch's steps of a workflow the first batch is committing are planned after it."""
+    coord = small_batches(r, 3)
+    publish(r, "order-1", step("a"), step("b"), step("c"), step("d"), step("e"))
+    coord.step()
+    assert coord._ready is not None and coord._ready.held == {"order-1"}  # d, e: planned once a-c are in
+    drain(coord)
+    assert r.hget(K.state("order-1"), "steps") == b"5" and r.xpending(K.events, K.group)["pending"] == 0
+    publish(r, "order-1", WorkflowFailed(reason="boom"))
+    drain(coord)
+    assert [msgspec.json.decode(s)["step"] for s in r.lrange(K.steps("order-1"), 0, -1)] == list("abcde")
+    comps = {s.decode(): comp_decoder.decode(v) for s, v in r.hgetall(K.comp("order-1")).items()}
+    assert sorted((c.seq, c.step) for c in comps.values()) == list(enumerate("abcde"))
+    assert r.hget(K.state("order-1"), "status") == b"compensating"
+    (job,) = queued_jobs(r)
+    assert [job.step, *(m.step for m in job.then)] == list("edcba")
+    assert r.xpending(K.events, K.group)["pending"] == 0
+
+
+def test_a_flushed_script_is_loaded_again_and_the_batch_recorded(r: redis.Redis) -> None:
+    coord = small_batches(r, 2)
+    publish(r, "order-1", step("a"), step("b"))
+    publish(r, "order-2", step("x"))
+    coord.step()  # order-1 done, order-2 read ahead
+    r.script_flush()  # a restarted Redis has no scripts: the commit read ahead meets NOSCRIPT
+    coord.step()
+    assert r.hget(K.state("order-2"), "steps") == b"1" and r.xpending(K.events, K.group)["pending"] == 0
+
+
+def test_a_coordinator_stopping_finishes_the_batch_it_read_ahead(r: redis.Redis) -> None:
+    coord = small_batches(r, 1)
+    publish(r, "order-1", step("a"), step("b"))
+    coord.step()
+    assert r.xpending(K.events, K.group)["pending"] == 1
+    coord.stopping = True
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        coord.run()
+    finally:
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+    assert r.hget(K.state("order-1"), "steps") == b"2" and r.xpending(K.events, K.group)["pending"] == 0
+
+
+def test_a_running_workflow_keeps_its_idle_ttl_without_an_expire_per_step(r: redis.Redis) -> None:
+    coord = small_batches(r, 10)
+    idle = coord.settings.idle_ttl
+    publish(r, "order-1", step("a"))
+    drain(coord)
+    keys = [K.state("order-1"), K.steps("order-1"), K.comp("order-1")]
+    assert all(idle <= r.ttl(k) <= idle + idle // 1000 for k in keys)
+    for k in keys:
+        r.expire(k, idle + 5)  # as if renewed a while ago: more than the idle TTL left
+    publish(r, "order-1", step("b"))
+    drain(coord)
+    assert r.hget(K.state("order-1"), "steps") == b"2"
+    assert all(idle < r.ttl(k) <= idle + 5 for k in keys)  # left alone
+    for k in keys:
+        r.expire(k, idle - 5)  # less than the idle TTL left: renewed
+    publish(r, "order-1", step("c"))
+    drain(coord)
+    assert all(idle <= r.ttl(k) <= idle + idle // 1000 for k in keys)

@@ -56,9 +56,9 @@ def client_for(url: str) -> redis.Redis:
 class Probe(threading.Thread):
     """Publishes workflow-completed events one after another; keeps the ids Redis acknowledged."""
 
-    def __init__(self, url: str, durability: Durability | None) -> None:
+    def __init__(self, url: str, durability: Durability | None, client: Any = None) -> None:
         super().__init__(daemon=True)
-        self.publisher = Publisher(client_for(url), "probe", durability=durability)
+        self.publisher = Publisher(client or client_for(url), "probe", durability=durability)
         self.acknowledged: list[str] = []
         self.refused = 0
         self.halt = threading.Event()
@@ -374,3 +374,37 @@ def test_an_unwind_in_flight_finishes_last_first_when_a_cluster_primary_dies(own
     assert len(refunded) == len(set(refunded)) == WORKFLOWS * STEPS, refunded
     for workflow in names:
         assert [o for o in refunded if o.startswith(f"{workflow}/")] == [f"{workflow}/{n}" for n in (2, 1, 0)]
+
+
+@pytest.fixture
+def own_cluster_of_two_replicas() -> Iterator[Any]:
+    """Two replicas per primary: once one is promoted, the other confirms its writes (WAIT 1)."""
+    from clusters import cluster_setup
+
+    with cluster_setup(replicas=2) as setup:
+        yield setup
+
+
+def test_with_wait_no_acknowledged_event_is_lost_when_a_cluster_primary_dies(own_cluster_of_two_replicas: Any) -> None:
+    """The probe of the Sentinel tests on the cluster: its stream's primary is SIGKILLed, the replica
+    promoted; with `wait_replicas = 1` every acknowledged event is on it, and the publisher follows
+    the new topology (runtime/durability.py `Writes`). The cluster has no stalled links to offer, so
+    unlike the Sentinel pair this test does not measure what is lost without WAIT."""
+    setup = own_cluster_of_two_replicas
+    probe = Probe(setup.url, Durability(replicas=1, timeout_ms=200), client=RedisCluster.from_url(setup.url))
+    probe.start()
+    wait_for(lambda: len(probe.acknowledged) >= 200, 30, "the probe to publish")
+    victim = setup.primary_of(PROBE.events)
+    victim.stop(kill=True)
+    before = len(probe.acknowledged)
+    setup.cluster.wait_healthy(60)
+    try:
+        wait_for(lambda: len(probe.acknowledged) >= before + 100, 60, "the probe to publish on the promoted replica")
+    finally:
+        probe.stop()
+    alive = next(n.url for n in setup.cluster.nodes if n is not victim)
+    with contextlib.closing(RedisCluster.from_url(alive)) as fresh:
+        missing = probe.missing(fresh)
+    assert setup.primary_of(PROBE.events) is not victim
+    print(f"cluster, with WAIT: {len(probe.acknowledged)} acknowledged, {probe.refused} refused, {len(missing)} lost")
+    assert missing == []

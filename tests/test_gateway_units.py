@@ -145,6 +145,42 @@ def test_a_step_never_written_refuses_its_workflow_and_redis_down_refuses_all() 
     asyncio.run(run())
 
 
+def test_a_step_is_built_and_written_after_the_answer_and_the_next_call_waits_for_it() -> None:
+    async def run() -> None:
+        redis = FlakyRedis(failures=2)  # the step's first two writes fail: it is retried
+        recorder = Recorder(redis, retry_for=5.0)  # type: ignore[arg-type]
+        answered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        built: list[str] = []
+
+        def entry() -> dict[bytes, bytes]:
+            built.append("a")
+            return _fields("a")
+
+        recorder.completed("wf", "a", entry, after=answered)
+        await asyncio.sleep(0.01)
+        assert built == [] and redis.added == []  # the client has no answer yet: nothing built or sent
+        answered.set_result(None)
+        await recorder.admit("wf")  # the next call goes out only once step a is in Redis
+        assert built == ["a"] and [decode_entry("0-0", f).data.step for f in redis.added] == ["a"]
+
+    asyncio.run(run())
+
+
+def test_a_step_whose_entry_cannot_be_built_refuses_its_workflow() -> None:
+    async def run() -> None:
+        recorder = Recorder(FlakyRedis(failures=0))  # type: ignore[arg-type]
+
+        def entry() -> dict[bytes, bytes]:
+            raise ValueError("over the event cap")
+
+        recorder.completed("wf", "a", entry)
+        with pytest.raises(NotRecordable, match="over the event cap"):
+            await recorder.admit("wf")
+        assert recorder.workflows["wf"].steps == 1  # still counted: the call did complete upstream
+
+    asyncio.run(run())
+
+
 def test_idle_workflows_get_the_policy_once_and_are_forgotten() -> None:
     async def run() -> FlakyRedis:
         redis = FlakyRedis(failures=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import cast
 
 import pytest
 from mcp_saga.gateway.upstream import Target, UpstreamError, Upstreams
@@ -14,9 +15,12 @@ pytestmark = pytest.mark.anyio
 Answer = Callable[[bytes], list[bytes]]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+@pytest.fixture(params=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
+    """asyncio's own loop, and uvloop's (`[gateway] loop = "uvloop"`), whose transports are no asyncio.Transport."""
+    if request.param == "uvloop":
+        pytest.importorskip("uvloop")
+    return "asyncio", {"use_uvloop": request.param == "uvloop"}
 
 
 class _Server(asyncio.Protocol):
@@ -27,8 +31,7 @@ class _Server(asyncio.Protocol):
         connections.append(1)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.schemas.config import parse_config
@@ -346,11 +348,30 @@ def test_a_routing_slip_carries_the_rest_and_a_failure_takes_it_back(machine: Ma
     b = view.comps["b"]
     failed = CompensationFailed(step="b", dispatch=b.dispatch, attempt=1, final=False, retryable=True, error="x")
     fold(machine, view, failed)
-    # b's retry is the coordinator's (no RQ retry behind a slip's step): dispatched again at once,
-    # with a taken back and riding behind it in a new slip.
+    # b's retry is the coordinator's (no RQ retry behind a slip's step): dispatched again, with a
+    # taken back and riding behind it in a new slip, as a job held for the backoff of a first retry.
     (again,) = view.jobs
     assert (again.step, again.dispatch, again.attempts_used, [m.step for m in again.then]) == ("b", 2, 1, ["a"])
     assert view.comps["a"].via == again.job_id and view.comps["a"].dispatch == 2
+    worker = machine.config.worker
+    assert 100.0 + worker.backoff(0, -1) <= again.not_before <= math.ceil(100.0 + worker.backoff(0, 1))
+    assert again.not_before > 100.0 and [m.not_before for m in again.then] == [0.0]  # a rides in b's job
+    # the watchdog counts silence from when the held job is due, not from its dispatch
+    assert machine.silent_until(view.comps["b"]) == again.not_before + machine.settings.watchdog_after
+    view.jobs.clear()
+    machine.tick(view, again.not_before + 1)  # due, but not silent yet: nothing dispatched again
+    assert view.jobs == []
+
+
+def test_a_slip_step_retried_without_backoff_when_none_is_configured() -> None:
+    machine = Machine(parse_config({"worker": {"backoff_base": 0}}))
+    view = fold(machine, new_view(), step("a"), step("b"), WorkflowFailed(), now=100.0)
+    view.jobs.clear()
+    fold(machine, view, CompensationSucceeded(step="b", dispatch=1), now=101.0)
+    failed = CompensationFailed(step="a", dispatch=1, attempt=1, final=False, retryable=True, error="x")
+    fold(machine, view, failed, now=102.0)
+    (again,) = view.jobs
+    assert (again.step, again.dispatch, again.not_before) == ("a", 2, 0.0)
 
 
 def test_a_silent_slip_is_taken_back_and_dispatched_again_in_order(machine: Machine) -> None:

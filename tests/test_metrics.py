@@ -82,6 +82,49 @@ def test_server_and_operation_labels_are_capped() -> None:
     assert pairs("a", "x") == ("a", "x")
 
 
+def test_reports_count_in_their_series_each_time_and_beyond_the_cap_under_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`reported` looks each report's label children up once; a second report of the same labels,
+    and a pair past the cap, must still count where `.labels(...)` per call would have counted them."""
+    from mcp_saga.schemas.events import CompensationFailed, CompensationRefused, CompensationSucceeded
+
+    monkeypatch.setattr(metrics, "_pairs", metrics._Pairs(cap=1))
+    monkeypatch.setattr(metrics, "_report_series", {})
+    common = {"step": "s", "dispatch": 1, "idempotency_key": "k", "arguments_digest": "d", "worker": "w"}
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    def counts() -> tuple[float, ...]:
+        return (
+            sample("saga_compensation_attempts_total", server="cap-a", operation="undo", outcome="succeeded"),
+            sample("saga_compensation_attempts_total", server="cap-a", operation="undo", outcome="retrying"),
+            sample("saga_compensation_attempts_total", server="cap-a", operation="undo", outcome="refused"),
+            sample("saga_compensation_attempts_total", server="other", operation="other", outcome="succeeded"),
+            sample("saga_compensation_attempt_duration_seconds_count", server="cap-a", operation="undo"),
+            sample("saga_compensation_attempts_used_count", outcome="succeeded"),
+        )
+
+    failed = CompensationFailed(
+        **common, attempt=1, final=False, server="cap-a", operation_id="undo", duration_ms=5.0, error="x",
+        retryable=True,
+    )  # fmt: skip
+    refused = CompensationRefused(**common, attempt=1, final=True, server="cap-a", operation_id="undo", reason="r")
+    before = counts()
+    for server in ("cap-a", "cap-a", "cap-b", "cap-b"):
+        metrics.reported(
+            CompensationSucceeded(
+                **common, attempt=2, final=True, server=server, operation_id="undo", duration_ms=5.0, result={}
+            )
+        )
+    metrics.reported(failed)
+    metrics.reported(refused)
+    after = counts()
+    assert [b - a for a, b in zip(before, after, strict=True)] == [2, 1, 1, 2, 3, 4]
+    assert ("cap-b", "undo", "succeeded") not in metrics._report_series  # `other` is not cached: the cap holds
+
+
 def test_only_one_process_reads_the_fleet_gauges(fake: redis.Redis) -> None:
     keys = Keys()
     fake.zadd(keys.index("needs-attention"), {"wf-1": 1.0, "wf-2": 2.0})

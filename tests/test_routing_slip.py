@@ -4,7 +4,7 @@ A redis-server, two trivial example servers over streamable HTTP (the second fai
 compensating call, as a transient error), one coordinator and one worker. Three steps unwind
 last-first: the first job carries all three; the worker runs them in order, reports each, and
 stops at the transient failure; the coordinator takes back what the slip still carried and
-dispatches the failed step again with the rest behind it.
+dispatches the failed step again with the rest behind it, after the configured backoff.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def test_one_worker_runs_the_rest_of_the_unwind_and_stops_at_a_failure(
         env={"SAGA_TRIVIAL_ARRIVALS": str(seen)},
     ) as [(_, healthy), (_, flaky)]:
         servers = {"healthy": {"url": healthy}, "flaky": {"url": flaky}}
-        config = write_config(parse_config({"servers": servers}), tmp_path / "saga.toml")
+        config_model = parse_config({"servers": servers})
+        config = write_config(config_model, tmp_path / "saga.toml")
         procs = [
             saga_process("coordinator", redis_url=redis_url, config=config, log=tmp_path / "c.log"),
             saga_process("worker", redis_url=redis_url, config=config, log=tmp_path / "w.log"),
@@ -56,6 +57,10 @@ def test_one_worker_runs_the_rest_of_the_unwind_and_stops_at_a_failure(
             for proc in procs:
                 stop(proc)
     assert arrivals(seen) == [3, 2, 2, 1]  # last first; the failed call again before the step below it
+    # The failed call was tried again only after the backoff any failed attempt waits (the earliest
+    # its jitter allows), not at once: the re-dispatch was a job RQ's scheduler held until then.
+    times = [float(line.split()[0]) for line in seen.read_text().splitlines()]
+    assert times[2] - times[1] >= config_model.worker.backoff(0, -1) > 0
     comps = Reader(r, K).records("slip-1")[1]  # type: ignore[index]
     assert {s: (c.status, c.dispatch, c.spent) for s, c in comps.items()} == {
         "s3": ("succeeded", 1, 1),

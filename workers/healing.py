@@ -38,8 +38,9 @@ from typing import Any, TypeVar
 
 from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.runtime.redis_checks import MAX_REFUSAL_BACKOFF, RateLimitedLog, healing_condition
+from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 from rq import SimpleWorker
 from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
 from rq.exceptions import StopRequested
@@ -85,16 +86,34 @@ class HealingScheduler(RQScheduler):
     child inherits every lock one of them held at that instant (a logging or metrics lock, a
     connection pool's) with no thread left to release it. It is spawned here instead: a fresh
     interpreter (about 0.7 s, once per worker) that receives the scheduler pickled, as RQ does on
-    platforms without fork.
+    platforms without fork. A client does not pickle (a Sentinel-managed pool holds the Sentinel
+    itself), so the child connects anew with `connect`, the worker's own recipe for its queue's
+    client; without one it rebuilds RQ's pool from its parts, which a plain `Redis` allows.
     """
 
-    def __init__(self, *args: Any, logging_level: str | int = "INFO", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        logging_level: str | int = "INFO",
+        connect: Callable[[], Redis] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, logging_level=logging_level, **kwargs)
         self._log_setup = (logging_level, kwargs.get("date_format"), kwargs.get("log_format"))
+        self._connect = connect
+
+    @property
+    def connection(self) -> Redis:
+        if self._connection is None and self._connect is not None:
+            self._connection = self._connect()
+        return super().connection
 
     def __getstate__(self) -> dict[str, Any]:
         # What holds a connection or a process handle stays in the worker; the child makes its own.
-        return {**self.__dict__, "_process": None, "_connection": None, "_scheduled_job_registries": []}
+        state = {**self.__dict__, "_process": None, "_connection": None, "_scheduled_job_registries": []}
+        if self._connect is not None:
+            state["_pool_kwargs"] = {}
+        return state
 
     def start(self) -> BaseProcess:
         self._status = self.Status.STARTED
@@ -153,7 +172,13 @@ def run_scheduler(scheduler: HealingScheduler) -> None:
 
 
 class HealingWorker(SimpleWorker):
-    """An RQ SimpleWorker whose own bookkeeping waits out a Redis that refuses writes."""
+    """An RQ SimpleWorker whose own bookkeeping waits out a Redis that refuses writes.
+
+    `connect_scheduler` (picklable: a module-level function with its arguments) is how its
+    spawned scheduler opens its client; run_worker sets it from the URL and the config.
+    """
+
+    connect_scheduler: Callable[[], Redis] | None = None
 
     def _stopping(self) -> bool:
         return bool(self._stop_requested)
@@ -170,12 +195,14 @@ class HealingWorker(SimpleWorker):
         self._idle(super().register_birth)
 
     def register_death(self) -> None:
+        """The last write of a stopping worker, so any Redis error only costs a warning: its key
+        expires by itself (worker_ttl + 60 s). Seen after a Sentinel failover: the MULTI came back
+        with the wrong number of replies ("Wrong number of response items"), and the worker exited
+        with a traceback after a clean stop."""
         try:
             super().register_death()
-        except ResponseError as exc:  # the worker's key expires by itself (worker_ttl + 60 s)
-            if healing_condition(exc) is None:
-                raise
-            log.warning("worker stopped without unregistering: redis refused the write", error=str(exc)[:200])
+        except RedisError as exc:
+            log.warning("worker stopped without unregistering", worker=self.name, error=str(exc)[:200])
 
     def check_for_suspension(self, burst: bool) -> None:
         parent = super().check_for_suspension  # it writes a heartbeat in the same MULTI as its read
@@ -250,6 +277,7 @@ class HealingWorker(SimpleWorker):
             date_format=date_format,
             log_format=log_format,
             serializer=self.serializer,
+            connect=self.connect_scheduler,
         )
         scheduler = self.scheduler
         self._idle(scheduler.acquire_locks)

@@ -14,11 +14,14 @@ reported, with its dispatch and attempt numbers, so one dispatch calls the serve
 
 The lease is held, and refreshed by a heartbeat, from before the trust checks until the report is
 written (`workers/lease.py`). A job that finds the lease held by another worker does not call the
-server and does not vanish either: it reports a retryable attempt ("not called: the lease is held
-by W") and RQ tries again after the backoff, when the holder has usually settled the compensation
-(then the retry finds it settled and stops) or let go of it (then the retry calls). A success from
-the holder still counts after such a report, even a final one: the coordinator takes a success from
-any dispatch.
+server and does not vanish either: it is *deferred* like a job whose server is busy (below), without
+counting an attempt, since the server was not called: a failover that duplicates jobs must not spend
+a compensation's attempts in seconds. Its continuation usually finds the compensation settled by the
+holder (then it stops) or let go of (then it calls; a holder that died lets go when its lease
+expires). After HELD_DEFERRALS_MAX such deferrals (about a minute) it reports a retryable attempt
+("not called: the lease is held by W") and RQ tries again after the backoff, so a holder stuck
+for longer shows in the workflow's history. A success from the holder still counts after such a
+report, even a final one: the coordinator takes a success from any dispatch.
 
 Per-server isolation (issue 11, item 10): a process lets at most `[worker] per_server` of its slots
 wait on one server (`SessionPool.slot`). A job whose server is at that limit is not run in a slot
@@ -80,6 +83,9 @@ _PERMANENT = re.compile(r"^(Unknown tool: |Error executing tool \S+: \d+ validat
 # at most this much: a server hung for its whole `timeout` costs each queued job a handful of
 # continuations, not one a second.
 DEFER_MAX_SECONDS = 30
+# How many times a job that finds its lease held is continued later before it counts an attempt:
+# 1 + 2 + 4 + 8 + 16 + 30 s, longer than a holder that died keeps its lease.
+HELD_DEFERRALS_MAX = 6
 
 
 class RetryableFailure(Exception):
@@ -217,9 +223,13 @@ def _lease(ctx: WorkerContext, job: CompensationJob, token: str | None = None) -
     )
 
 
-def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) -> str:
-    """Continue the job as a new one due shortly, with the attempts it has left (none was used)."""
+def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str, held_by: str | None = None) -> str:
+    """Continue the job as a new one due shortly, with the attempts it has left (none was used).
+
+    `held_by`: the job was deferred because that worker holds its lease, not for a busy server.
+    """
     attempt, left = attempt_of(rq_job, ctx.config.worker, job.attempts_used)
+    held = {"held": int(rq_job.meta.get("held", 0)) + 1} if held_by else {}
     intervals = list(rq_job.retry_intervals or ())
     base = rq_job.meta.get("base_id", rq_job.id)
     deferrals = int(rq_job.meta.get("deferrals", 0)) + 1
@@ -238,10 +248,12 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
         result_ttl=rq_job.result_ttl,
         failure_ttl=rq_job.failure_ttl,
         description=rq_job.description,
-        meta={**rq_job.meta, "first_attempt": attempt, "deferrals": deferrals, "base_id": base, **parked},
+        meta={**rq_job.meta, "first_attempt": attempt, "deferrals": deferrals, "base_id": base, **parked, **held},
     )
+    why = f"the lease is held by {held_by}" if held_by else f"{job.server} is using every slot it may have"
     log.info(
-        "compensation deferred: its server has every slot it may use in this worker",
+        "compensation deferred",
+        reason=why,
         workflow=job.workflow,
         step=job.step,
         dispatch=job.dispatch,
@@ -249,7 +261,7 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str) 
         server=job.server,
         continuation=continuation.id,
     )
-    return f"deferred: {job.server} is using every slot it may have; continued as job {continuation.id}"
+    return f"deferred: {why}; continued as job {continuation.id}"
 
 
 class _Attempt:
@@ -258,6 +270,7 @@ class _Attempt:
         # Bound to the workflow's partition: the report goes to the stream its coordinators read.
         self.ctx, self.job, self.keys = ctx, job, Keys(job.prefix, ctx.config.redis.partitions).route(job.workflow)
         self.in_slip = token is not None
+        self.rq_job = rq_job
         if self.in_slip:  # one attempt here; a retry is the coordinator's next dispatch
             self.attempt = job.attempts_used + 1
             self.retries_left = max(0, ctx.config.worker.attempts - self.attempt)
@@ -303,9 +316,13 @@ class _Attempt:
             self._finish()
 
     def _held(self, holder: bytes | None) -> str:
-        """Another worker is on this compensation: say so, and let RQ try again after the backoff."""
+        """Another worker is on this compensation: continue later without an attempt (bounded), else
+        say so, and let RQ try again after the backoff."""
         name = holder.decode(errors="replace").rpartition(":")[0] if holder else ""
         who = f"worker {name}" if name else "a worker that let go of it just now"
+        rq_job = self.rq_job
+        if rq_job is not None and not self.in_slip and int(rq_job.meta.get("held", 0)) < HELD_DEFERRALS_MAX:
+            return _defer(self.ctx, self.job, rq_job, rq_job.args[0], held_by=who)
         return self._failed(f"not called: the lease is held by {who}, which is on it", True)
 
     def _skip_reason(self, record: Compensation | None) -> str | None:

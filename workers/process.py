@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 from typing import Any
 
 from mcp_saga.runtime.connect import check_layout, connect, connect_queue
@@ -120,6 +121,7 @@ def run_worker(
         log.warning("could not check the redis setup at start-up", error=str(exc))
     queue = Queue(config.keys().queue, connection=jobs)
     worker = SagaWorker([queue], connection=jobs, name=name)
+    worker.connect_scheduler = partial(connect_queue, redis_url, config.redis, retry=retry)
     slots = [
         SlotWorker([queue], connection=jobs, name=f"{worker.name}.{i}") for i in range(1, config.worker.concurrency)
     ]

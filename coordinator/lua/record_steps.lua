@@ -1,57 +1,101 @@
--- Record step-completed (and step-started: intents) events of a running (or new) workflow in one
--- call, with no read first.
+-- Record step-completed (and step-started: intents) events of running (or new) workflows, with no
+-- read first: one call for every workflow of a batch that shares a slot (all of them on one Redis).
 --
 -- Most events are steps of workflows that are running; they need no planning against other
 -- records, so the coordinator plans them without loading the workflow (Machine.plan_step, the
 -- same code the compare-and-set path runs), numbering them from the step count it expects, and
 -- this script only checks that expectation and writes what it was given. Anything unexpected
 -- (not running, another coordinator recorded steps meanwhile, a step already recorded) writes
--- nothing: the caller folds those events through the compare-and-set path instead.
--- KEYS: state, steps, comp, log, outbox (hash-tagged with the workflow id: one cluster slot; the
---       outbox is declared for a uniform key list and not written: recording steps has no outcome).
--- ARGV: now, ttl seconds, log maxlen, expected step count, step count, then per step: step id,
---       compensation record JSON (its seq already right), the raw step JSON, its timeline entry
---       count, and for each entry its field count followed by its field/value pairs.
--- Returns {0} when the caller must take the compare-and-set path, else {1, 1 if this call created
--- the workflow else 0, the version and createdAt now committed (what the status index reflects)}.
-local state, steps, comp, log = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local current = redis.call('HMGET', state, 'status', 'version', 'steps', 'createdAt')
-local status = current[1]
-local now, ttl, logmax, expected, count = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
-if (status and status ~= 'running') or (current[3] or '0') ~= expected then
-  return {0}
-end
-local i = 6
-for _ = 1, count do
-  if redis.call('HEXISTS', comp, ARGV[i]) == 1 then
+-- nothing for that workflow: the caller folds its events through the compare-and-set path instead.
+--
+-- The TTL: every key of a workflow is given `ttl + slack` seconds when the workflow or its first
+-- step is recorded, when timeline entries are written (the log may be new), and whenever less
+-- than `ttl` is left; in between it is not touched (EXPIRE is most of what a step cost here). So a
+-- workflow still expires no sooner than `ttl` after its last change, and at most `slack` later.
+-- KEYS: per workflow, state, steps, comp, log, outbox (hash-tagged with the workflow id: one
+--       cluster slot; the outbox is declared for a uniform key list and not written).
+-- ARGV: now, ttl seconds, slack seconds, log maxlen, then per workflow in KEYS order: expected
+--       step count, step count, then per step: step id, compensation record JSON (its seq already
+--       right), the raw step JSON, its timeline entry count, and for each entry its field count
+--       followed by its field/value pairs.
+-- Returns per workflow {0} when the caller must take the compare-and-set path, else {1, 1 if this
+-- call created the workflow else 0, the version and createdAt now committed (what the status
+-- index reflects)}.
+local now, ttl, slack, logmax = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+
+-- One workflow: its keys start at KEYS[k], its arguments at ARGV[i]. Returns its reply.
+local function record(k, i)
+  local state, steps, comp, log = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+  local expected, count = ARGV[i], tonumber(ARGV[i + 1])
+  local current = redis.call('HMGET', state, 'status', 'version', 'steps', 'createdAt')
+  local status = current[1]
+  if (status and status ~= 'running') or (current[3] or '0') ~= expected then
     return {0}
   end
-  local nentries = tonumber(ARGV[i + 3])
-  i = i + 4
-  for _ = 1, nentries do
-    i = i + 1 + 2 * tonumber(ARGV[i])
+  local first = i + 2
+  if count == 1 then  -- the common case: the check and the write in one call
+    if redis.call('HSETNX', comp, ARGV[first], ARGV[first + 1]) == 0 then
+      return {0}
+    end
+  else
+    local j = first
+    for _ = 1, count do
+      if redis.call('HEXISTS', comp, ARGV[j]) == 1 then
+        return {0}
+      end
+      local nentries = tonumber(ARGV[j + 3])
+      j = j + 4
+      for _ = 1, nentries do
+        j = j + 1 + 2 * tonumber(ARGV[j])
+      end
+    end
   end
-end
-i = 6
-for _ = 1, count do
-  redis.call('HSET', comp, ARGV[i], ARGV[i + 1])
-  redis.call('RPUSH', steps, ARGV[i + 2])
-  local nentries = tonumber(ARGV[i + 3])
-  i = i + 4
-  for _ = 1, nentries do
-    local nfields = tonumber(ARGV[i])
-    redis.call('XADD', log, 'MAXLEN', '~', logmax, '*', unpack(ARGV, i + 1, i + 2 * nfields))
-    i = i + 1 + 2 * nfields
+  local j, logged = first, false
+  for _ = 1, count do
+    if count > 1 then
+      redis.call('HSET', comp, ARGV[j], ARGV[j + 1])
+    end
+    redis.call('RPUSH', steps, ARGV[j + 2])
+    local nentries = tonumber(ARGV[j + 3])
+    j = j + 4
+    for _ = 1, nentries do
+      local nfields = tonumber(ARGV[j])
+      redis.call('XADD', log, 'MAXLEN', '~', logmax, '*', unpack(ARGV, j + 1, j + 2 * nfields))
+      j = j + 1 + 2 * nfields
+      logged = true
+    end
   end
+  local total = tonumber(expected) + count
+  local version, created = tonumber(current[2] or '0') + 1, current[4] or now
+  if status then
+    redis.call('HSET', state, 'version', version, 'steps', total, 'updatedAt', now)
+  else
+    redis.call('HSET', state, 'status', 'running', 'version', version, 'steps', total, 'createdAt', now, 'updatedAt', now)
+  end
+  if not status or expected == '0' or logged or slack == 0 or redis.call('TTL', state) < ttl then
+    for n = k, k + 3 do
+      redis.call('EXPIRE', KEYS[n], ttl + slack)
+    end
+  end
+  return {1, status and 0 or 1, version, created}
 end
-local total = tonumber(expected) + count
-local version, created = tonumber(current[2] or '0') + 1, current[4] or now
-if status then
-  redis.call('HSET', state, 'version', version, 'steps', total, 'updatedAt', now)
-else
-  redis.call('HSET', state, 'status', 'running', 'version', version, 'steps', total, 'createdAt', now, 'updatedAt', now)
+
+-- Where each workflow's arguments end: the step count and each step's entries say.
+local function skip(i)
+  local j = i + 2
+  for _ = 1, tonumber(ARGV[i + 1]) do
+    local nentries = tonumber(ARGV[j + 3])
+    j = j + 4
+    for _ = 1, nentries do
+      j = j + 1 + 2 * tonumber(ARGV[j])
+    end
+  end
+  return j
 end
-for k = 1, 4 do
-  redis.call('EXPIRE', KEYS[k], ttl)
+
+local replies, i = {}, 5
+for k = 1, #KEYS, 5 do
+  replies[#replies + 1] = record(k, i)
+  i = skip(i)
 end
-return {1, status and 0 or 1, version, created}
+return replies
