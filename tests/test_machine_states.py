@@ -24,6 +24,7 @@ import os
 from copy import deepcopy
 
 import fakeredis
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -314,7 +315,7 @@ def _stream_order(event_id: str) -> tuple[int, int]:
     return int(ms), int(n)
 
 
-TestProtocol = Protocol.TestCase
+TestProtocol = pytest.mark.timeout(900)(Protocol.TestCase)  # 150 runs take 10 s on a quiet box, minutes on a loaded one
 TestProtocol.settings = settings(
     PROFILES[os.environ.get("HYPOTHESIS_PROFILE", "ci")], suppress_health_check=[HealthCheck.too_slow]
 )
