@@ -23,6 +23,16 @@
 -- index reflects)}.
 local now, ttl, slack, logmax = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 
+-- Where the arguments of the step that starts at ARGV[j] end: its entries' field counts say.
+local function after_step(j)
+  local nentries = tonumber(ARGV[j + 3])
+  j = j + 4
+  for _ = 1, nentries do
+    j = j + 1 + 2 * tonumber(ARGV[j])
+  end
+  return j
+end
+
 -- One workflow: its keys start at KEYS[k], its arguments at ARGV[i]. Returns its reply.
 local function record(k, i)
   local state, steps, comp, log = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
@@ -43,11 +53,7 @@ local function record(k, i)
       if redis.call('HEXISTS', comp, ARGV[j]) == 1 then
         return {0}
       end
-      local nentries = tonumber(ARGV[j + 3])
-      j = j + 4
-      for _ = 1, nentries do
-        j = j + 1 + 2 * tonumber(ARGV[j])
-      end
+      j = after_step(j)
     end
   end
   local j, logged = first, false
@@ -84,11 +90,7 @@ end
 local function skip(i)
   local j = i + 2
   for _ = 1, tonumber(ARGV[i + 1]) do
-    local nentries = tonumber(ARGV[j + 3])
-    j = j + 4
-    for _ = 1, nentries do
-      j = j + 1 + 2 * tonumber(ARGV[j])
-    end
+    j = after_step(j)
   end
   return j
 end
