@@ -19,14 +19,8 @@ from mcp_saga.schemas.events import (
     encode_payload,
 )
 from mcp_saga.schemas.records import WorkflowState, forward_key
+from test_machine import RESERVE
 
-RESERVE = {
-    "strategy": "compensation",
-    "compensatingOperation": {
-        "operationId": "release_inventory",
-        "parameters": {"reservationId": "$response.body#/reservationId"},
-    },
-}
 BY_ORDER = {
     "strategy": "compensation",
     "compensatingOperation": {"operationId": "refund_order", "parameters": {"orderId": "$request.body#/orderId"}},
