@@ -1,7 +1,7 @@
 """How close a worker gets to its two ceilings: the MCP session and RQ itself.
 
     python -m bench.worker [--redis URL] [--calls 1200] [--jobs 600] [--workers 1,2,4]
-                            [--rounds 2] [--http]
+                            [--rounds 2] [--http] [--against CHECKOUT]
 
 (a) raw `call_tool` calls/s over one warm session to `examples.trivial`'s `noop`, awaited
     directly (and, for reference, through `SessionPool` from a sync caller);
@@ -14,8 +14,14 @@ says how much the worker adds. One worker process does the call and the job one 
 other, so its c is also bounded by 1/(1/a + 1/b); the script prints that bound too.
 
 Queues are filled before the workers start, and c is measured from the moment every worker has
-reported once (sessions warm) to the last report, from the reports' own stream ids. Without
---redis a private redis-server is started and thrown away.
+reported once (sessions warm) to the last report, from the reports' own stream ids. The worker
+processes' CPU per compensation (utime + stime from /proc, from the tenth of the reports to the
+last) is printed beside it: it moves far less with other load on the machine than the rate.
+
+`--against CHECKOUT` compares this code with another checkout of mcp-saga (its own `.venv`, e.g.
+a worktree of main): one worker process of each in alternating rounds (ABAB...), the same queue,
+server and Redis, and prints the median of the rounds' ratios. Without --redis a private
+redis-server is started and thrown away.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 from mcp import Client
@@ -86,6 +94,14 @@ def rq_jobs_per_second(redis: Redis, jobs: int) -> float:
     return jobs / (time.perf_counter() - started)
 
 
+@dataclass
+class Run:
+    """One run of worker processes over a full queue."""
+
+    rate: float  # compensations/s, once every worker is warm
+    cpu_us: float  # the worker processes' CPU per compensation, from a tenth of the reports on
+
+
 def compensations_per_second(
     redis: Redis,
     url: str,
@@ -98,6 +114,22 @@ def compensations_per_second(
     trace: dict[str, str] | None = None,
 ) -> float:
     """`command` replaces `python -m mcp_saga.workers` (bench/observability.py runs variants of it)."""
+    return run_workers(redis, url, config, jobs, workers, command=command, env=env, trace=trace).rate
+
+
+def run_workers(
+    redis: Redis,
+    url: str,
+    config: Path,
+    jobs: int,
+    workers: int,
+    *,
+    command: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    trace: dict[str, str] | None = None,
+    cwd: Path = REPO,
+) -> Run:
+    """Fill the queue, run `workers` processes in burst mode over it; `cwd`: the checkout they run from."""
     redis.flushdb()
     keys, settings = Keys(PREFIX), WorkerSettings()
     queue = Queue(keys.queue, connection=redis)
@@ -107,14 +139,13 @@ def compensations_per_second(
     procs = [
         subprocess.Popen(
             [*command, "--burst", "--log-level", "WARNING", "--name", f"bench-{workers}-{i}"],
-            cwd=REPO,
+            cwd=cwd,
             env={**os.environ, **(env or {})},
         )
         for i in range(workers)
     ]
     try:
-        for proc in procs:
-            proc.wait(300)
+        cpu_us = _cpu_per_report(redis, keys.events, jobs, procs)
     finally:
         stop_all(*procs)
     entries = redis.xrange(keys.events)
@@ -126,7 +157,43 @@ def compensations_per_second(
         first_by_worker.setdefault(data["worker"], at)
     warm = max(first_by_worker.values())
     counted = [at for at, _ in reports if at > warm]
-    return len(counted) / ((counted[-1] - warm) / 1000)
+    return Run(len(counted) / ((counted[-1] - warm) / 1000), cpu_us)
+
+
+def _cpu_per_report(redis: Redis, events: str, jobs: int, procs: list[subprocess.Popen[bytes]]) -> float:
+    """Wait for the processes; their CPU (µs) per report between the tenth of the reports and the last.
+
+    Sampled from /proc every few milliseconds, so start-up (imports, connecting) and exit are left
+    out; nan where /proc is missing.
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu() -> float | None:
+        total = 0
+        for proc in procs:
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                return None
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / tick
+
+    start: tuple[int, float] | None = None
+    last: tuple[int, float] | None = None
+    deadline = time.monotonic() + 300
+    while any(proc.poll() is None for proc in procs):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the worker processes did not drain the queue within 300 s")
+        done, spent = redis.xlen(events), cpu()
+        if spent is not None:
+            if start is None and done >= jobs // 10:
+                start = (done, spent)
+            if last is None or last[0] < jobs:  # up to the first sample with every report in
+                last = (done, spent)
+        time.sleep(0.003)
+    if start is None or last is None or last[0] <= start[0]:
+        return float("nan")
+    return (last[1] - start[1]) / (last[0] - start[0]) * 1e6
 
 
 def plant(redis: Redis, jobs: int, trace: dict[str, str] | None = None, first: int = 0) -> list[CompensationJob]:
@@ -139,8 +206,8 @@ def plant(redis: Redis, jobs: int, trace: dict[str, str] | None = None, first: i
             arguments={"n": n}, idempotency_key=key, source="server", dispatch=1,
         )  # fmt: skip
         redis.hset(keys.comp(workflow), "s", comp_encoder.encode(record))
-        job = CompensationJob(
-            workflow=workflow, step="s", server="trivial", tool="noop", operation_id="noop_undo",
+        job = CompensationJob(  # with the step's seq, as the coordinator dispatches it
+            workflow=workflow, step="s", seq=1, server="trivial", tool="noop", operation_id="noop_undo",
             arguments={"n": n}, idempotency_key=key, dispatch=1, prefix=PREFIX, trace=trace,
         )  # fmt: skip
         planted.append(job)
@@ -191,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="1,2,4")
     parser.add_argument("--rounds", type=int, default=2, help="a, b and c with one worker: best of this many")
     parser.add_argument("--http", action="store_true", help="streamable HTTP instead of stdio")
+    parser.add_argument("--against", type=Path, help="another checkout (with .venv): one worker of each, ABAB")
     args = parser.parse_args(argv)
+    if args.against:
+        return against(args.against, args.redis, args.jobs, args.rounds, args.http)
     counts = [int(n) for n in args.workers.split(",")]
     started = time.perf_counter()
     with ExitStack() as stack:
@@ -231,6 +301,43 @@ def main(argv: list[str] | None = None) -> int:
     for n in counts:
         print(f"    {n} worker process{'es' if n > 1 else '  '}: {c[n]:6.0f} compensations/s")
     print(f"best of {args.rounds} rounds for a, b and c({counts[0]}); total {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def against(other: Path, redis_url: str | None, jobs: int, rounds: int, http: bool) -> int:
+    """This checkout's worker (B) against another's (A), one process each, in alternating rounds."""
+    other = other.resolve()
+    python = other / ".venv" / "bin" / "python"
+    if not python.exists():
+        print(f"{python}: no such interpreter (make the checkout's venv first)", file=sys.stderr)
+        return 2
+    runs: dict[str, list[Run]] = {"A": [], "B": []}
+    with ExitStack() as stack:
+        if redis_url is None:
+            server = RedisServer(find_redis_server() or "redis-server").start()
+            stack.callback(server.cleanup)
+            redis_url = server.url
+        target = stack.enter_context(start_http_server(TRIVIAL))[1] if http else None
+        config = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "bench.toml"
+        write_config(config, target)
+        redis = Redis.from_url(redis_url)
+        sides = {
+            "A": ([str(python), "-m", "mcp_saga.workers"], other),
+            "B": ([sys.executable, "-m", "mcp_saga.workers"], REPO),
+        }
+        for n in range(rounds):
+            for side in "AB" if n % 2 == 0 else "BA":
+                command, cwd = sides[side]
+                runs[side].append(run_workers(redis, redis_url, config, jobs, 1, command=command, cwd=cwd))
+        redis.flushdb()
+    print(f"A = {other}, B = {REPO}; {rounds} rounds of {jobs} jobs, load average {os.getloadavg()[0]:.2f}")
+    for label, pick in (("compensations/s", lambda r: r.rate), ("CPU per compensation (us)", lambda r: r.cpu_us)):
+        a, b = [pick(r) for r in runs["A"]], [pick(r) for r in runs["B"]]
+        ratios = [y / x for x, y in zip(a, b, strict=True)]
+        print(
+            f"{label:28s} A {statistics.median(a):8.1f}  B {statistics.median(b):8.1f}"
+            f"  B/A median {statistics.median(ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
     return 0
 
 

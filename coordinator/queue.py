@@ -16,12 +16,10 @@ from typing import Any
 
 import msgspec
 from mcp_saga.schemas.config import WorkerSettings
-from mcp_saga.schemas.records import CompensationJob
+from mcp_saga.schemas.records import JOB_FUNCTION, CompensationJob
 from redis import Redis
 from rq import Queue, Retry
 from rq.exceptions import DuplicateJobError
-
-JOB_FUNCTION = "mcp_saga.workers.job.compensate"
 
 
 def backoff_intervals(settings: WorkerSettings, rng: random.Random | None = None) -> list[int]:

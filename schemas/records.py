@@ -133,6 +133,10 @@ class Compensation(Struct, rename="camel", omit_defaults=False):
     via: str = ""
 
 
+# The RQ job function a CompensationJob runs (its payload the job's JSON), named for RQ to import.
+JOB_FUNCTION = "mcp_saga.workers.job.compensate"
+
+
 class CompensationJob(Struct, rename="camel", frozen=True):
     """Everything a worker needs to perform one compensation, resolved by the coordinator."""
 

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.runtime.redis_checks import MAX_REFUSAL_BACKOFF, RateLimitedLog, healing_condition
+from mcp_saga.workers.bookkeeping import LeanWorker
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
@@ -171,8 +172,9 @@ def run_scheduler(scheduler: HealingScheduler) -> None:
     run(scheduler)
 
 
-class HealingWorker(SimpleWorker):
-    """An RQ SimpleWorker whose own bookkeeping waits out a Redis that refuses writes.
+class HealingWorker(LeanWorker):
+    """An RQ SimpleWorker whose own bookkeeping (trimmed: workers/bookkeeping.py) waits out a Redis
+    that refuses writes.
 
     `connect_scheduler` (picklable: a module-level function with its arguments) is how its
     spawned scheduler opens its client; run_worker sets it from the URL and the config.
@@ -299,7 +301,7 @@ class HealingWorker(SimpleWorker):
         def attempt() -> Any:
             before = set(self.executions)
             try:
-                return SimpleWorker.prepare_execution(self, job)
+                return LeanWorker.prepare_execution(self, job)
             except ResponseError:  # the MULTI was discarded: forget the execution it would have made
                 for key in set(self.executions) - before:
                     del self.executions[key]

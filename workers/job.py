@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -59,16 +60,26 @@ from mcp_saga.schemas.events import (
     entry_fields,
 )
 from mcp_saga.schemas.keys import Keys
-from mcp_saga.schemas.records import SETTLED, Compensation, CompensationJob, arguments_digest, comp_decoder, job_decoder
+from mcp_saga.schemas.records import (
+    JOB_FUNCTION,
+    SETTLED,
+    Compensation,
+    CompensationJob,
+    arguments_digest,
+    comp_decoder,
+    job_decoder,
+)
 from mcp_saga.schemas.results import result_text
 from mcp_saga.workers import trust
-from mcp_saga.workers.lease import Lease, park_all, release_all
+from mcp_saga.workers.lease import Lease, park_all, parked, queue_park, release_all
 from redis import Redis
+from redis.client import Pipeline
 from rq import Queue, Retry, get_current_job
 from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
 log = get_logger("worker")
+__all__ = ["JOB_FUNCTION", "Outbox", "compensate", "first_reads"]
 
 # Test-only: SIGKILL this worker right after the tool call returns, before its report.
 KEY_ARGUMENTS = ("idempotencyKey", "idempotency_key")
@@ -131,6 +142,97 @@ def _current_context(rq_job: Job | None) -> WorkerContext:
     return _context
 
 
+class Outbox:
+    """Writes a job leaves for its next round trip: an attempt's report and lease release.
+
+    That trip is the next slip step's reads (`_Attempt.run`), or the worker's end-of-job MULTI
+    (workers/bookkeeping.py); `flush` sends them on their own: before an exception reaches RQ (a
+    retry never precedes its report), and at the end of a job no worker carries them for. They stay
+    until the trip that carried them succeeded, so a refused MULTI sends them again with its retry.
+    """
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.writes: list[Callable[[Pipeline], None]] = []
+
+    def add(self, write: Callable[[Pipeline], None]) -> None:
+        self.writes.append(write)
+
+    def drain(self, pipe: Pipeline) -> None:
+        for write in self.writes:
+            write(pipe)
+
+    def clear(self) -> None:
+        self.writes.clear()
+
+    def flush(self) -> None:
+        if not self.writes:
+            return
+        with self.redis.pipeline(transaction=False) as pipe:
+            self.drain(pipe)
+            pipe.execute()
+        self.clear()
+
+
+@dataclass
+class _First:
+    """A job's first reads, made in the worker's start-up MULTI: its lease token and the replies
+    (None when one was an error: the attempt then reads again itself, under the same token)."""
+
+    token: str
+    replies: list[Any] | None
+    at: float
+    # The slip's leases and whether each was parked (None: the job parks them itself).
+    slip: tuple[list[Lease], list[bool]] | None = None
+
+
+def first_reads(rq_job: Job, pipe: Pipeline) -> Callable[[list[Any]], None] | None:
+    """Queue a compensation job's first reads (take the lease, read the record and the recorded step)
+    into the worker's start-up MULTI; returns what takes their replies, or None when the job must
+    read for itself (no worker context yet, a payload that does not decode: the job reports that)."""
+    ctx = _context
+    if ctx is None:
+        return None
+    try:
+        job = job_decoder.decode(rq_job.args[0])
+    except (msgspec.DecodeError, msgspec.ValidationError, IndexError, TypeError):
+        return None
+    lease = _lease(ctx, job, rq_job.meta.get("lease_token"))
+    before = len(pipe)
+    _reads(_keys(ctx, job), job, lease, pipe)
+    reads = len(pipe) - before
+    slip = [_lease(ctx, member) for member in job.then]
+    queue_park(pipe, slip, ctx.config.worker.lease)
+
+    def take(replies: list[Any]) -> None:
+        fine = not any(isinstance(reply, Exception) for reply in replies)
+        first = _First(lease.token, replies[:reads] if fine else None, time.monotonic())
+        if fine and slip:
+            first.slip = (slip, parked(replies[reads:]))
+        rq_job._saga_first = first  # type: ignore[attr-defined]
+
+    return take
+
+
+def _reads(keys: Keys, job: CompensationJob, lease: Lease, pipe: Pipeline) -> None:
+    """The lease and the record in one round trip: taking a lease we then drop costs nothing."""
+    lease.take(pipe)
+    pipe.hget(keys.comp(job.workflow), job.step)
+    if job.seq >= 0:  # the recorded step, which the trust checks compare the live declaration with
+        pipe.lindex(keys.steps(job.workflow), job.seq)
+
+
+def _keys(ctx: WorkerContext, job: CompensationJob) -> Keys:
+    """Bound to the workflow's partition: the report goes to the stream its coordinators read."""
+    return Keys(job.prefix, ctx.config.redis.partitions).route(job.workflow)
+
+
+def _token(rq_job: Job) -> str | None:
+    """The lease token a job holds or adopts: from its first reads, or parked by a deferral."""
+    first: _First | None = getattr(rq_job, "_saga_first", None)
+    return first.token if first is not None else rq_job.meta.get("lease_token")
+
+
 def session_pool(config: Config) -> SessionPool:
     """The worker's pool: warm sessions, and at most `per_server` slots waiting on any one server."""
     return SessionPool(config.servers, tools_ttl=config.worker.tools_ttl, per_server=config.worker.slots_per_server)
@@ -158,27 +260,50 @@ def compensate(payload: str) -> str:
     job = job_decoder.decode(payload)
     rq_job = get_current_job()
     ctx = _current_context(rq_job)
+    carried: Outbox | None = getattr(rq_job, "_saga_outbox", None)  # sent with the worker's end-of-job MULTI
+    outbox = carried or Outbox(ctx.redis)
+    try:
+        outcome = _compensate(ctx, job, rq_job, payload, outbox)
+    except BaseException:
+        outbox.flush()
+        raise
+    if carried is None:
+        outbox.flush()
+    return outcome
+
+
+def _compensate(ctx: WorkerContext, job: CompensationJob, rq_job: Job | None, payload: str, outbox: Outbox) -> str:
+    first: _First | None = getattr(rq_job, "_saga_first", None)
     with ctx.pool.slot(job.server) as free:
         if not free and rq_job is not None:
+            if first is not None and first.slip is not None:  # parked in the first trip: the continuation parks anew
+                leases, ok = first.slip
+                release_all([lease for lease, held in zip(leases, ok, strict=True) if held])
             return _defer(ctx, job, rq_job, payload)
-        slip = _park(ctx, job.then)
+        slip = _park(ctx, job.then, first.slip if first is not None else None)
         try:
-            outcome = _Attempt(ctx, job, rq_job).run()
+            outcome = _Attempt(ctx, job, rq_job, outbox=outbox, first=first).run()
         except BaseException:
             release_all([lease for _, lease in slip])
             raise
     if not slip:
         return outcome
-    return outcome + _run_slip(ctx, slip, outcome == "succeeded")
+    return outcome + _run_slip(ctx, slip, outcome == "succeeded", outbox)
 
 
-def _park(ctx: WorkerContext, then: tuple[CompensationJob, ...]) -> list[tuple[CompensationJob, Lease]]:
+def _park(
+    ctx: WorkerContext, then: tuple[CompensationJob, ...], done: tuple[list[Lease], list[bool]] | None = None
+) -> list[tuple[CompensationJob, Lease]]:
     """Lease every step of the slip up front, so none looks silent while it waits its turn.
 
-    The slip ends before the first step whose lease another worker holds.
+    The slip ends before the first step whose lease another worker holds. `done`: the leases were
+    parked in the job's first round trip already (and whether each was).
     """
-    leases = [_lease(ctx, member) for member in then]
-    parked = park_all(leases, ctx.config.worker.lease)
+    if done is not None:
+        leases, parked = done
+    else:
+        leases = [_lease(ctx, member) for member in then]
+        parked = park_all(leases, ctx.config.worker.lease)
     cut = parked.index(False) if False in parked else len(leases)
     release_all([lease for lease, ok in zip(leases[cut:], parked[cut:], strict=True) if ok])
     for lease in leases[:cut]:
@@ -186,12 +311,15 @@ def _park(ctx: WorkerContext, then: tuple[CompensationJob, ...]) -> list[tuple[C
     return list(zip(then[:cut], leases[:cut], strict=True))
 
 
-def _run_slip(ctx: WorkerContext, slip: list[tuple[CompensationJob, Lease]], go_on: bool) -> str:
+def _run_slip(ctx: WorkerContext, slip: list[tuple[CompensationJob, Lease]], go_on: bool, outbox: Outbox) -> str:
     """Run the slip's steps in order while each succeeds; report each as its own attempt.
 
     Stops at the first that does not succeed (a failure, a refusal, awaiting approval) or whose
     record is no longer queued under this slip (the coordinator took it back); the steps after
-    it are released, and the coordinator, the only writer, decides them anew.
+    it are released, and the coordinator, the only writer, decides them anew. Between two steps
+    the worker makes one round trip: step k's report and release, then step k+1's lease and
+    record, in this order in one pipeline (Redis runs them in order, so k+1 is read after k is
+    reported, as when they were two trips).
     """
     done, left = 0, list(slip)
     try:
@@ -200,7 +328,7 @@ def _run_slip(ctx: WorkerContext, slip: list[tuple[CompensationJob, Lease]], go_
             if go_on:
                 with ctx.pool.slot(member.server) as free:
                     if free:
-                        outcome = _Attempt(ctx, member, None, token=lease.token).run()
+                        outcome = _Attempt(ctx, member, None, token=lease.token, outbox=outbox).run()
                         left.pop(0)  # the attempt released its lease (only an error skips that)
             if outcome != "succeeded":
                 stopped = f"; stopped at {member.step}: {outcome or 'not run'}"
@@ -208,13 +336,19 @@ def _run_slip(ctx: WorkerContext, slip: list[tuple[CompensationJob, Lease]], go_
             done += 1
         return f"; slip: {done} of {len(slip)} succeeded"
     finally:  # an error or a job timeout on the way must not leave leases renewed for steps never run
-        release_all([lease for _, lease in left])
+        if left:
+            with ctx.redis.pipeline(transaction=False) as pipe:
+                outbox.drain(pipe)
+                for _, lease in left:
+                    lease.release(pipe)
+                pipe.execute()
+            outbox.clear()
 
 
 def _lease(ctx: WorkerContext, job: CompensationJob, token: str | None = None) -> Lease:
     return Lease(
         ctx.redis,
-        Keys(job.prefix, ctx.config.redis.partitions).route(job.workflow).lease(job.workflow, job.step),
+        _keys(ctx, job).lease(job.workflow, job.step),
         ctx.name,
         ctx.config.worker.lease,
         workflow=job.workflow,
@@ -236,7 +370,7 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str, 
     delay = min(2 ** (deferrals - 1), DEFER_MAX_SECONDS)
     # The lease parked for the wait (plus a lease, for a scheduler a little late): a deferred job
     # is not silent, and the coordinator's short watchdog does not dispatch it again meanwhile.
-    lease = _lease(ctx, job, rq_job.meta.get("lease_token"))
+    lease = _lease(ctx, job, _token(rq_job))
     parked = {"lease_token": lease.token} if lease.park(delay + ctx.config.worker.lease) else {}
     continuation = Queue(rq_job.origin, connection=rq_job.connection).enqueue_in(
         timedelta(seconds=delay),
@@ -265,10 +399,20 @@ def _defer(ctx: WorkerContext, job: CompensationJob, rq_job: Job, payload: str, 
 
 
 class _Attempt:
-    def __init__(self, ctx: WorkerContext, job: CompensationJob, rq_job: Job | None, *, token: str | None = None):
-        """`token`: a step of a routing slip (no RQ job of its own), under the lease parked for it."""
-        # Bound to the workflow's partition: the report goes to the stream its coordinators read.
-        self.ctx, self.job, self.keys = ctx, job, Keys(job.prefix, ctx.config.redis.partitions).route(job.workflow)
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        job: CompensationJob,
+        rq_job: Job | None,
+        *,
+        outbox: Outbox,
+        token: str | None = None,
+        first: _First | None = None,
+    ):
+        """`token`: a step of a routing slip (no RQ job of its own), under the lease parked for it.
+        `outbox`: where the attempt leaves its report and release; `first`: its reads, made already."""
+        self.ctx, self.job, self.keys = ctx, job, _keys(ctx, job)
+        self.outbox, self.first = outbox, first
         self.in_slip = token is not None
         self.rq_job = rq_job
         if self.in_slip:  # one attempt here; a retry is the coordinator's next dispatch
@@ -277,7 +421,7 @@ class _Attempt:
         else:
             self.attempt, self.retries_left = attempt_of(rq_job, ctx.config.worker, job.attempts_used)
         if token is None and rq_job is not None:
-            token = rq_job.meta.get("lease_token")
+            token = _token(rq_job)
         self.lease = _lease(ctx, job, token)
         self.started = time.monotonic()
         self.report: Payload | None = None
@@ -285,14 +429,18 @@ class _Attempt:
         self.step_raw: bytes | None = None
 
     def run(self) -> str:
-        job, redis = self.job, self.ctx.redis
-        # The lease and the record in one round trip: taking a lease we then drop costs nothing.
-        with redis.pipeline(transaction=False) as pipe:
-            self.lease.take(pipe)
-            pipe.hget(self.keys.comp(job.workflow), job.step)
-            if job.seq >= 0:  # the recorded step, which the trust checks compare the live declaration with
-                pipe.lindex(self.keys.steps(job.workflow), job.seq)
-            taken, holder, raw, *step = pipe.execute()
+        job, first = self.job, self.first
+        # Reads made in the worker's start-up MULTI hold while the lease's first renewal is not due.
+        if first is not None and first.replies is not None and time.monotonic() - first.at < self.lease.every:
+            replies = first.replies
+        else:  # the previous slip step's report and release ride in front of this step's reads
+            with self.ctx.redis.pipeline(transaction=False) as pipe:
+                self.outbox.drain(pipe)
+                sent = len(pipe)
+                _reads(self.keys, job, self.lease, pipe)
+                replies = pipe.execute()[sent:]
+            self.outbox.clear()
+        taken, holder, raw, *step = replies
         leased = self.lease.taken((taken, holder))
         self.step_raw = step[0] if step else None
         record = comp_decoder.decode(raw) if raw else None
@@ -446,14 +594,18 @@ class _Attempt:
             self.traced.outcome(payload)
 
     def _finish(self, *, release: bool = True) -> None:
-        """The report and the lease release in one round trip."""
-        with self.ctx.redis.pipeline(transaction=False) as pipe:
-            if self.report is not None:
-                pipe.xadd(self.keys.events, entry_fields(self.job.workflow, self.report))  # type: ignore[arg-type]
+        """The report, then the lease release, left in the outbox for the job's next round trip."""
+        report, lease, events, workflow = self.report, self.lease, self.keys.events, self.job.workflow
+        if report is None and not release:
+            return
+
+        def write(pipe: Pipeline) -> None:
+            if report is not None:
+                pipe.xadd(events, entry_fields(workflow, report))  # type: ignore[arg-type]
             if release:
-                self.lease.release(pipe)
-            if len(pipe):
-                pipe.execute()
+                lease.release(pipe)
+
+        self.outbox.add(write)
 
     def _log(self, level: str, event: str, **fields: Any) -> None:
         job = self.job

@@ -151,13 +151,22 @@ def park_all(leases: list[Lease], seconds: float) -> list[bool]:
     """`Lease.park` for several leases in one round trip (a routing slip's steps)."""
     if not leases:
         return []
-    ms = max(1, int(seconds * 1000))
     with leases[0].redis.pipeline(transaction=False) as pipe:
-        for lease in leases:
-            evaluate(pipe, RENEW, [lease.key], [lease.token, ms])
-            pipe.set(lease.key, lease.token, nx=True, px=ms)
-        replies = pipe.execute()
-    return [bool(replies[2 * n] or replies[2 * n + 1]) for n in range(len(leases))]
+        queue_park(pipe, leases, seconds)
+        return parked(pipe.execute())
+
+
+def queue_park(pipe: Pipeline, leases: list[Lease], seconds: float) -> None:
+    """Queue `park_all`'s commands into a pipeline of the caller's (a job's first round trip)."""
+    ms = max(1, int(seconds * 1000))
+    for lease in leases:
+        evaluate(pipe, RENEW, [lease.key], [lease.token, ms])
+        pipe.set(lease.key, lease.token, nx=True, px=ms)
+
+
+def parked(replies: list[object]) -> list[bool]:
+    """Which leases `queue_park` parked, from its replies (ours renewed, or free and taken)."""
+    return [bool(replies[2 * n] or replies[2 * n + 1]) for n in range(len(replies) // 2)]
 
 
 def release_all(leases: list[Lease]) -> None:

@@ -58,11 +58,11 @@ class SagaWorker(HealingWorker):
     seconds; the ones that set a job's TTL (in its own bookkeeping) are always sent.
     """
 
-    def prepare_job_execution(self, job: Any, remove_from_intermediate_queue: bool = False) -> None:
+    def prepare_execution(self, job: Any) -> Any:
         # Between RQ's dequeue (the job left the queue's list) and its start, a death leaves the job
         # `queued` in no list: what the watchdog must not take for a job waiting for a worker.
         fail_point("worker.after-dequeue")
-        super().prepare_job_execution(job, remove_from_intermediate_queue)
+        return super().prepare_execution(job)
 
     def heartbeat(self, timeout: int | None = None, pipeline: Pipeline | None = None) -> None:
         if timeout is None and time.monotonic() - self._beaten < HEARTBEAT_EVERY:
@@ -125,6 +125,8 @@ def run_worker(
     slots = [
         SlotWorker([queue], connection=jobs, name=f"{worker.name}.{i}") for i in range(1, config.worker.concurrency)
     ]
+    for each in (worker, *slots):  # one Redis: a job's own reads and report ride in RQ's MULTIs
+        each.carry = jobs is connection
     threads = [
         threading.Thread(target=slot.work, kwargs={"burst": burst, "logging_level": logging_level}, daemon=True)
         for slot in slots

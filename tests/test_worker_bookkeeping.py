@@ -1,0 +1,155 @@
+"""RQ's bookkeeping of a compensation job, trimmed (workers/bookkeeping.py): what RQ's tools read
+is still written, in fewer round trips, and a job cut short still lands in RQ's registries.
+
+A real redis-server and the trivial example server over stdio; the worker runs in this process so
+that its round trips can be counted (one `send_packed_command` per trip, a pipeline's included).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import redis
+import redis.connection
+from mcp_saga.coordinator.queue import enqueue
+from mcp_saga.examples import TRIVIAL
+from mcp_saga.schemas.config import Config, ServerConfig, WorkerSettings
+from mcp_saga.schemas.events import decode_entry
+from mcp_saga.schemas.keys import Keys
+from mcp_saga.schemas.records import Compensation, CompensationJob, comp_encoder, idempotency_key
+from mcp_saga.workers import job as job_module
+from mcp_saga.workers.process import SagaWorker
+from processes import REPO
+from rq import Queue, Worker
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+
+K = Keys()
+
+
+def plan(r: redis.Redis, n: int, then: tuple[str, ...] = (), attempts: int = 5) -> CompensationJob:
+    """A queued record and its job, as the coordinator leaves them; `then`: the steps of its slip."""
+    workflow = f"book-{n}"
+    members = []
+    for seq, step in enumerate(["s", *then], start=1):
+        key = idempotency_key(workflow, step, "noop_undo")
+        record = Compensation(
+            step=step, seq=seq, server="trivial", tool="noop", status="queued", operation_id="noop_undo",
+            arguments={"n": n}, idempotency_key=key, source="server", dispatch=1,
+        )  # fmt: skip
+        r.hset(K.comp(workflow), step, comp_encoder.encode(record))
+        member = CompensationJob(
+            workflow=workflow, step=step, seq=seq, server="trivial", tool="noop", operation_id="noop_undo",
+            arguments={"n": n}, idempotency_key=key, dispatch=1,
+        )  # fmt: skip
+        members.append(member)
+    first, *rest = members
+    job = msgspec.structs.replace(first, then=tuple(rest))
+    assert enqueue(Queue(K.queue, connection=r), job, WorkerSettings(attempts=attempts))
+    return job
+
+
+@pytest.fixture
+def worker(r: redis.Redis) -> Iterator[SagaWorker]:
+    """A worker of `saga worker`'s kind with its context set, warm on the trivial server."""
+    config = Config(servers={"trivial": ServerConfig(command=[sys.executable, "-m", TRIVIAL], cwd=str(REPO))})
+    pool = job_module.session_pool(config)
+    worker = SagaWorker([Queue(K.queue, connection=r)], connection=r, name="book-1")
+    worker.carry = True
+    job_module.set_context(r, config, pool, worker.name)
+    worker.register_birth()
+    try:
+        run_one(worker, plan(r, 0))  # sessions and tool listings warm
+        yield worker
+    finally:
+        worker.register_death()
+        job_module.clear_context()
+        pool.close()
+
+
+def run_one(worker: SagaWorker, job: CompensationJob) -> Job:
+    found = worker.dequeue_job_and_maintain_ttl(None)
+    assert found is not None
+    rq_job, queue = found
+    assert rq_job.id == job.job_id
+    worker.execute_job(rq_job, queue)
+    return rq_job
+
+
+@pytest.fixture
+def trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Round trips to Redis from this process, counted from when the test reads it."""
+    sent = [0]
+    real = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        sent[0] += 1
+        real(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+    return sent
+
+
+def reports(r: redis.Redis, workflow: str) -> list[Any]:
+    events = (decode_entry(entry_id.decode(), fields) for entry_id, fields in r.xrange(K.events))
+    return [(event.type, event.data.step) for event in events if event.workflow == workflow]
+
+
+def test_a_compensation_job_is_four_round_trips_and_rq_reads_what_it_always_read(
+    r: redis.Redis, worker: SagaWorker, trips: list[int]
+) -> None:
+    job = plan(r, 1)
+    trips[0] = 0
+    rq_job = run_one(worker, job)
+    # The dequeue and the fetch (RQ's), the start and the end: the job's own reads and report ride along.
+    assert trips[0] == 4
+    assert reports(r, "book-1") == [("compensation-succeeded", "s")]
+    assert not r.exists(K.lease("book-1", "s"))
+
+    stored = Job.fetch(rq_job.id, connection=r)
+    assert stored.get_status() == JobStatus.FINISHED and stored.return_value() == "succeeded"
+    assert stored.started_at and stored.ended_at and stored.ended_at >= stored.started_at
+    assert stored.worker_name == "book-1"
+    assert 0 < r.ttl(stored.key) <= 3600  # the coordinator's result_ttl
+    queue = Queue(K.queue, connection=r)
+    assert rq_job.id in FinishedJobRegistry(queue=queue) and rq_job.id not in StartedJobRegistry(queue=queue)
+    assert not r.keys("rq:execution:*") and not r.smembers(f"rq:worker:{worker.name}:executions")
+    [listed] = Worker.all(queue=queue)  # what `rq info` lists
+    assert listed.name == "book-1" and listed.get_state() == "idle"
+    assert listed.successful_job_count == 2 and listed.total_working_time > 0
+
+
+def test_a_slip_takes_one_round_trip_between_two_steps(r: redis.Redis, worker: SagaWorker, trips: list[int]) -> None:
+    job = plan(r, 2, then=("t0", "t1", "t2"))
+    trips[0] = 0
+    run_one(worker, job)
+    # 4 as above (the slip's leases parked in the first), one per further step: its reads and the report before it.
+    assert trips[0] == 4 + 3
+    assert reports(r, "book-2") == [("compensation-succeeded", s) for s in ("s", "t0", "t1", "t2")]
+    assert not r.keys(K.lease("book-2", "*"))
+
+
+def test_a_job_cut_short_after_its_start_is_in_the_started_registry_and_fails_there(
+    r: redis.Redis, worker: SagaWorker
+) -> None:
+    """A worker killed mid-job: its start was written in one MULTI with the job's lease, and RQ's
+    clean-up of the started registry moves the job to the failed registry (no retries left: one
+    attempt), as for any RQ job."""
+    job = plan(r, 3, attempts=1)
+    found = worker.dequeue_job_and_maintain_ttl(None)
+    assert found is not None
+    rq_job, queue = found
+    worker.prepare_execution(rq_job)  # and then nothing: the process died
+
+    assert Job.fetch(rq_job.id, connection=r).get_status() == JobStatus.STARTED
+    assert r.get(K.lease("book-3", "s"))  # taken in the same MULTI: the watchdog sees a live lease
+    started = StartedJobRegistry(queue=queue)
+    assert rq_job.id in started
+    started.cleanup(timestamp=10**10)  # as RQ's maintenance does once the execution's heartbeat is old
+    assert rq_job.id in FailedJobRegistry(queue=queue)
+    assert reports(r, "book-3") == []
+    assert job.job_id == rq_job.id
