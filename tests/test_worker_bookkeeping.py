@@ -153,3 +153,25 @@ def test_a_job_cut_short_after_its_start_is_in_the_started_registry_and_fails_th
     assert rq_job.id in FailedJobRegistry(queue=queue)
     assert reports(r, "book-3") == []
     assert job.job_id == rq_job.id
+
+
+def test_rq_still_has_the_steps_and_names_the_trimmed_bookkeeping_overrides(r: redis.Redis) -> None:
+    """workers/bookkeeping.py repeats RQ 3.0's per-job steps: a version that changes them fails here."""
+    import inspect
+
+    from rq import SimpleWorker
+    from rq.executions import Execution
+    from rq.results import Result
+
+    for method, parameter in [
+        (SimpleWorker.handle_job_success, "execution"),
+        (SimpleWorker.cleanup_execution, "execution"),
+        (SimpleWorker.prepare_job_execution, "remove_from_intermediate_queue"),
+        (Execution.create, "worker_name"),
+        (Result.create, "execution_started_at"),
+    ]:
+        assert parameter in inspect.signature(method).parameters, (method, parameter)
+    job = Job.create("builtins.len", args=("x",), connection=r)
+    for name in ("_dependency_ids", "_success_callback_name", "_failure_callback_name", "repeats_left"):
+        assert hasattr(job, name), name
+    assert "is_suspended(" in inspect.getsource(SimpleWorker.check_for_suspension)

@@ -14,9 +14,10 @@ bookkeeping instead of doing them one after the other.
 A slot in a thread needs three of RQ's private names (`_install_signal_handlers`,
 `dequeue_job_and_maintain_ttl`, `_stop_requested`): RQ's public stop, `request_stop`, installs
 signal handlers, which only the main thread may do, and RQ has no public hook for a worker that
-is not the process. So RQ is pinned to the range known to work (`pyproject.toml`: from 2.12,
-measured in FACTS.md, to 3.0, which this suite runs on), and `tests/test_worker_sessions.py`
-checks that the names still exist, so a newer RQ that renames them fails in CI, not in a worker.
+is not the process. So RQ is pinned to the range known to work (`pyproject.toml`: 3.0, which this
+suite runs on; the per-job steps workers/healing.py and workers/bookkeeping.py override have 3.0's
+signatures), and `tests/test_worker_sessions.py` checks that the names still exist, so a newer RQ
+that renames them fails in CI, not in a worker.
 Every RQ worker of the process is a `HealingWorker` (workers/healing.py): a Redis that refuses
 writes for a while (OOM, READONLY) is waited out, never a reason to exit.
 """
