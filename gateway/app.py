@@ -26,6 +26,7 @@ from mcp_saga.gateway.recorder import Recorder
 from mcp_saga.runtime.connect import connect_async
 from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.pipelined import REPLY_TIMEOUT, pipelined_for
 from mcp_saga.schemas.config import Config, ConfigError, RedisSettings
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
@@ -83,12 +84,16 @@ def connect_redis(url: str, settings: RedisSettings | None = None) -> aioredis.R
 
 
 def recorder_for(config: Config, url: str) -> Recorder:
+    durability = Durability.of(config.redis)
+    # A reply later than this closes the pipelined connection (a stopped Redis): WAIT may take its timeout.
+    reply_timeout = REPLY_TIMEOUT + (durability.timeout_ms / 1000 if durability is not None else 0.0)
     return Recorder(
         connect_redis(url, config.redis),
         config.prefix,
         retry_for=config.gateway.publish_retry_for,
         partitions=config.redis.partitions,
-        durability=Durability.of(config.redis),
+        durability=durability,
+        pipe=pipelined_for(url, config.redis, reply_timeout=reply_timeout),
     )
 
 
@@ -110,6 +115,8 @@ async def running(gateway: Gateway) -> AsyncIterator[None]:
             await gateway.recorder.flush(workflow)
         await gateway.sessions.aclose()
         await gateway.recorder.publisher.redis.aclose()
+        if gateway.recorder.publisher.pipe is not None:
+            await gateway.recorder.publisher.pipe.aclose()
 
 
 async def _warm(gateway: Gateway) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.pipelined import Pipelined
 from mcp_saga.runtime.publish import AsyncPublisher, workflow_failed
 from mcp_saga.schemas.events import WorkflowCompleted
 
@@ -58,8 +59,12 @@ class Recorder:
         retry_for: float = 10.0,
         partitions: int = 1,
         durability: Durability | None = None,
+        pipe: Pipelined | None = None,
     ) -> None:
-        self.publisher = AsyncPublisher(redis, prefix, partitions, durability=durability)
+        """`pipe`: the pipelined connection the events go over (runtime/pipelined.py), when the Redis is
+        one it can serve; `redis` then only answers what `pipe` does not carry."""
+        self.publisher = AsyncPublisher(redis, prefix, partitions, durability=durability, pipe=pipe)
+        self._writer: Any = pipe if pipe is not None else redis
         self.retry_for = retry_for
         self.workflows: dict[str, _Workflow] = {}
         self._healthy = True
@@ -97,7 +102,7 @@ class Recorder:
 
     async def ping(self) -> bool:
         try:
-            await asyncio.wait_for(self.publisher.redis.ping(), PING_TIMEOUT)
+            await asyncio.wait_for(self._writer.ping(), PING_TIMEOUT)
         except Exception:
             self._healthy = False
             return False
@@ -116,7 +121,7 @@ class Recorder:
             log.warning("intent over the event cap; the call goes unannounced", workflow=workflow, step=step)
             return
         try:
-            await self.publisher.redis.xadd(self.publisher.stream_for(workflow), fields)  # type: ignore[arg-type]
+            await self._writer.xadd(self.publisher.stream_for(workflow), fields)
         except Exception as exc:
             self._healthy = False
             raise NotRecordable(
