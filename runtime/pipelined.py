@@ -139,6 +139,12 @@ class Pipelined:
         protocol = self._protocol or await self._connect()
         return await self._send(protocol, [pack(xadd_args(stream, fields))])[0]  # type: ignore[no-any-return]
 
+    def send_now(self, *args: Arg) -> asyncio.Future[Any] | None:
+        """The command written at once and its reply's future, for a caller that must not await (a
+        callback); None while there is no connection (the caller then awaits `execute`, which connects)."""
+        protocol = self._protocol
+        return None if protocol is None else self._send(protocol, [pack(args)])[0]
+
     async def ping(self) -> bool:
         return await self.execute("PING") in (b"PONG", "PONG")
 

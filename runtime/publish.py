@@ -61,10 +61,16 @@ log = logging.getLogger(__name__)
 OnFailure = Literal["halt", "continue"]
 
 
+_second: list[Any] = [None, ""]  # the last whole second formatted, and its text: strftime is most of the cost
+
+
 def utc_now() -> str:
     """ISO 8601 with milliseconds: what an operator reading the stream with redis-cli can parse by eye."""
     t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+    second = int(t)
+    if second != _second[0]:
+        _second[:] = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    return f"{_second[1]}.{int(t % 1 * 1000):03d}Z"
 
 
 def clip(text: str, limit: int = TEXT_MAX) -> str:
@@ -316,9 +322,10 @@ class _Base:
         self.redis = redis
         self.keys = Keys(prefix, partitions)
         self.durability = durability
+        self._streams = [part.events for part in self.keys.every()]
 
     def stream_for(self, workflow: str) -> str:
-        return self.keys.route(workflow).events
+        return self._streams[self.keys.partition_of(workflow)]
 
 
 def _entry_id(reply: Any) -> str:
