@@ -41,15 +41,8 @@ Arg = bytes | str | int | float
 
 
 def pack(args: tuple[Arg, ...] | list[Arg]) -> bytes:
-    """One command in RESP: an array of bulk strings."""
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if isinstance(arg, str):
-            arg = arg.encode()
-        elif not isinstance(arg, bytes):
-            arg = repr(arg).encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
-    return b"".join(out)
+    """One command in RESP (an array of bulk strings), packed by hiredis's C code."""
+    return hiredis.pack_command(tuple(args))  # type: ignore[no-any-return]
 
 
 def xadd_args(stream: str, fields: dict[bytes, bytes]) -> list[Arg]:
