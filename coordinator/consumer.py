@@ -8,7 +8,6 @@ redelivered after a crash folds to no change, and its workflows' queued jobs are
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import socket
@@ -52,21 +51,6 @@ STEP_COUNT_CACHE = 100_000
 # Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
 # How Redis (6.2, 7.0) reports an error a script's redis.call raised: the inner error's prefix after
 # a dash, behind "Command # N (EVALSHA ...) of pipeline caused error: " when it ran in a pipeline.
-# The youngest generation's collection threshold in a coordinator process (CPython's default: 700).
-GC_YOUNG = 20_000
-
-
-def tune_gc() -> None:
-    """Collect cyclic garbage the way a coordinator process can afford (issue 15, ingest).
-
-    A batch allocates some hundred objects per event (decoded payloads, plans), nearly all freed
-    by reference counting; with CPython's default thresholds the cyclic collector still ran every
-    700 allocations and now and then walked every long-lived object of the process (modules,
-    redis-py, RQ), which cost more per event than the decoding itself. So what start-up built is
-    moved out of the collector's sight, and the young generation is collected less often.
-    """
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG, 50, 50)
 
 
 @dataclass

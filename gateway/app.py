@@ -23,6 +23,7 @@ from mcp.server.transport_security import TransportSecurityMiddleware, Transport
 from mcp_saga.gateway.passthrough import PassThrough, Upstreams
 from mcp_saga.gateway.proxy import Gateway
 from mcp_saga.gateway.recorder import Recorder
+from mcp_saga.runtime.collector import tune_gc
 from mcp_saga.runtime.connect import connect_async
 from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.logs import get_logger
@@ -240,6 +241,7 @@ def serve_http(config: Config, redis_url: str, *, host: str | None = None, port:
         raise ConfigError("the gateway needs a config naming the MCP servers it fronts ([servers.NAME])")
     token = gateway_token(config)
     app, _ = http_app(config, redis_url, token)
+    tune_gc()
     settings = config.gateway
     uvicorn.Server(
         uvicorn.Config(
