@@ -215,11 +215,12 @@ def workflow_failed(
     )
 
 
-def checked_entry(workflow: str, payload: Payload) -> dict[bytes, bytes]:
-    """The stream entry for a payload, or ValueError with the coordinator's own reason for refusing it."""
+def checked_entry(workflow: str, payload: Payload, data: bytes | None = None) -> dict[bytes, bytes]:
+    """The stream entry for a payload (`data`: its encoding, when the caller has it already), or
+    ValueError with the coordinator's own reason for refusing it."""
     if not isinstance(workflow, str):
         raise ValueError(f"workflow id must be a string, not {type(workflow).__name__}")
-    fields = {b"type": payload.TYPE.encode(), b"workflow": workflow.encode(), b"data": _encode(payload)}
+    fields = {b"type": payload.TYPE.encode(), b"workflow": workflow.encode(), b"data": data or _encode(payload)}
     try:
         decode_entry("0-0", fields, strict=True)
     except ValueError as exc:
@@ -241,6 +242,9 @@ def step_entry(
     """The checked entry of a step-completed; one over the size cap is cut down by `fit_step` to
     what its recovery binds, with a marker, and the cut is logged (the caller keeps its result)."""
     payload = step_completed(step, server, tool, arguments, result, recovery, annotations, trace=trace)
+    encoded = _encode(payload)  # once: what fits is written as it is
+    if len(encoded) <= MAX_DATA_BYTES:
+        return checked_entry(workflow, payload, encoded)
     payload, cut = fit_step(payload)
     if cut is not None:
         log.warning("workflow %r: %s", workflow, cut)
@@ -277,11 +281,12 @@ def started_entry(
         trace=trace,
     )
     try:
-        if len(_encode(payload)) > MAX_DATA_BYTES:
-            return None
+        data: bytes | None = _encode(payload)
     except ValueError:
-        pass  # checked_entry says why
-    return checked_entry(workflow, payload)
+        data = None  # checked_entry says why
+    if data is not None and len(data) > MAX_DATA_BYTES:
+        return None
+    return checked_entry(workflow, payload, data)
 
 
 def _encode(payload: Payload) -> bytes:
