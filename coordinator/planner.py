@@ -8,7 +8,7 @@ never calls with partial or default arguments (SEP-3172 4.2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 from mcp_saga.schemas.config import Policy
@@ -26,8 +26,10 @@ from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(NamedTuple):
+    """A NamedTuple, not a frozen dataclass: one is made per recorded step, and the dataclass's
+    `__init__` (object.__setattr__ per field) cost more than the rest of the wrapper."""
+
     compensation: Compensation
     # Things the timeline should say beside the plan (e.g. an overlay overriding the server).
     notes: tuple[str, ...] = ()

@@ -374,7 +374,7 @@ def _compile(binding: Binding) -> _Getter:
         return lambda arguments, result, body: {key: get(arguments, result, body) for key, get in pairs}
     parts = [part if isinstance(part, str) else _compile_expression(part) for part in binding.parts]
     return lambda arguments, result, body: "".join(
-        part if isinstance(part, str) else _render(part(arguments, result, body)) for part in parts
+        [part if type(part) is str else _render(part(arguments, result, body)) for part in parts]
     )
 
 
