@@ -350,7 +350,7 @@ class Coordinator:
         started, now = time.perf_counter(), time.time()
         groups, dead = self._decode(entries)
         batch = Batch(entries, redelivered, started, now, groups, dead, tracing.event_traces(groups))
-        batch.announced = {w for w, items in groups.items() if any(isinstance(e.data, StepStarted) for e, _ in items)}
+        batch.announced = {e.workflow for items in groups.values() for e, _ in items if type(e.data) is StepStarted}
         batch.held = held & groups.keys()
         batch.planned = self._plan_fresh(groups, now, batch.held)
         return batch
@@ -512,12 +512,13 @@ class Coordinator:
 
     def _take_recorded(self, batch: Batch, outcomes: dict[str, Recorded | None]) -> dict[str, Recorded]:
         """What the fast path recorded, per workflow, taken out of the batch's groups."""
-        recorded = {}
-        for workflow, outcome in outcomes.items():
-            if outcome is not None:
-                del batch.groups[workflow]
-                recorded[workflow] = outcome
-                self._remember_steps(workflow, batch.planned[workflow][0] + outcome.steps)
+        recorded = {w: outcome for w, outcome in outcomes.items() if outcome is not None}
+        groups, planned, counts = batch.groups, batch.planned, self._step_counts
+        if len(counts) + len(recorded) > STEP_COUNT_CACHE:
+            counts.clear()  # a guess, not a fact: losing it costs one compare-and-set
+        for workflow, outcome in recorded.items():
+            del groups[workflow]
+            counts[workflow] = planned[workflow][0] + outcome.steps
         return recorded
 
     def _remember_steps(self, workflow: str, count: int | None) -> None:
