@@ -97,20 +97,15 @@ def _recorded(batches: StepBatches, workflows: list[str], reply: list[Any]) -> d
 
 def _read_entries(reply: Any) -> list[Any]:
     """An XREADGROUP reply exactly as redis-py's own parsing gives it ([[stream, [(id, fields)]]]),
-    built here from the raw one (a map under RESP3, redis-py 8's default; a list under RESP2):
-    redis-py's three layers of callbacks cost about a microsecond per entry."""
+    built here from the raw one (a map under RESP3, redis-py 8's default; a list under RESP2),
+    in one pass instead of redis-py's three layers of callbacks. A deleted entry's fields are {}."""
     if not reply:
         return []
     streams = reply.items() if isinstance(reply, dict) else reply
-    return [[stream, [_entry(e) for e in entries]] for stream, entries in streams]
-
-
-def _entry(entry: list[Any] | None) -> tuple[Any, dict[bytes, bytes] | None]:
-    """One stream entry as (id, fields); a deleted entry's fields are {} (as redis-py has it)."""
-    if entry is None:
-        return None, None
-    flat = entry[1] or []
-    return entry[0], dict(zip(flat[::2], flat[1::2], strict=True))
+    return [
+        [name, [(None, None) if e is None else (e[0], dict(zip(f := iter(e[1] or ()), f, strict=False))) for e in got]]
+        for name, got in streams
+    ]
 
 
 def _bulks(values: Iterable[str | bytes | int | float]) -> bytes:
