@@ -130,6 +130,10 @@ class Report:
     lost_events: int = 0
     out_of_order: int = 0  # failed workflows whose undos were not applied last-first
     late_steps: int = 0  # steps of completed workflows handled after their completion (a kill reordered them)
+    # Workflows events started again after they expired (held by a coordinator paused or dead for
+    # longer than the retention: README, "Not promised"), and the published steps only those have.
+    restarted_workflows: int = 0
+    restarted_steps: int = 0
     left_for_human: int = 0  # committed effects of needs-attention workflows, not undone, with a reason
     unseen_effects: int = 0  # effects a server applied but no orchestrator learned of, and no intent records
     # Effects that landed but were never confirmed to the orchestrator, whose intent mcp-saga recorded:
@@ -205,16 +209,7 @@ class Report:
             ),
             ("double effects", str(self.double_effects)),
             ("out of LIFO order", str(self.out_of_order)),
-            (
-                "lost events",
-                f"{self.lost_events}"
-                + (
-                    f" ({self.late_steps} steps of completed workflows were reordered by a kill "
-                    "and recorded after the completion)"
-                    if self.late_steps
-                    else ""
-                ),
-            ),
+            ("lost events", self.lost_events_text()),
             ("needs-attention", f"{len(self.attention)} workflows, {self.left_for_human} effects left with a reason"),
             (
                 "landed, never confirmed",
@@ -234,6 +229,25 @@ class Report:
             ),
             ("wall time", f"{self.wall_seconds:.0f} s (quiescent {self.settle_seconds:.0f} s after the last workflow)"),
         ]
+
+    def lost_events_text(self) -> str:
+        notes = self.late_notes()
+        return f"{self.lost_events} ({'; '.join(notes)})" if notes else str(self.lost_events)
+
+    def late_notes(self) -> list[str]:
+        """What the "lost events" row explains: events handled late, none of them lost."""
+        notes = []
+        if self.late_steps:
+            notes.append(
+                f"{self.late_steps} steps of completed workflows were reordered by a kill "
+                "and recorded after the completion"
+            )
+        if self.restarted_workflows:
+            notes.append(
+                f"{self.restarted_workflows} workflows restarted by events handled after their retention, "
+                f"{self.restarted_steps} published steps recorded only there"
+            )
+        return notes
 
     def table(self) -> str:
         rows = self.rows()

@@ -21,7 +21,7 @@ from mcp_saga.examples.ledger import read_state
 from mcp_saga.schemas.keys import STATUSES, Keys
 
 from bench.chaos.cluster import Cluster, _terminate
-from bench.chaos.model import SERVERS, Out, Report, Settings
+from bench.chaos.model import SERVERS, TERMINAL, Out, Report, Settings
 from bench.chaos.verify import (
     Tracker,
     dead_letters,
@@ -166,7 +166,7 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
         crashed = cluster.crashed_jobs()
         worker_log = worker_log_events(workdir)
         verify(tracker.records, tracker.snapshots, ledgers, worker_log, dead, report, crashed, tracker.lost(),
-               tracker.failover_losses())  # fmt: skip
+               tracker.failover_losses(), tracker.later)  # fmt: skip
         report.workflows = len(tracker.records)
         if report.workflows != settings.workflows:
             report.violations.append(f"{settings.workflows - report.workflows} workflows have no publisher record")
@@ -184,6 +184,9 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
         # Their keys stay until `idle_ttl`.
         lost = tracker.lost()
         unfinished = frozenset(w for w, rec in tracker.records.items() if not rec["terminalPublished"] or w in lost)
+        # A later incarnation that a step alone started stays `running` until `idle_ttl` (README, "Not promised").
+        unfinished |= {w for w, again in tracker.later.items() if any(s.state.get("status") not in TERMINAL
+                                                                      for s in again.values())}  # fmt: skip
         after = footprint(r, keys, unfinished, queue=q)
         while (after["workflow_keys"] or after["indexed"]) and time.monotonic() < deadline:
             time.sleep(1)
