@@ -16,8 +16,10 @@ import asyncio
 import json
 import os
 import re
+import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import redis
@@ -352,6 +354,89 @@ def test_a_workflow_restarted_after_its_retention_is_kept_apart_from_the_one_its
     flagged = Report()
     verify({"w-again": record}, tracker.snapshots, ledgers, [], [], flagged)
     assert flagged.violations == ["w-again: step s2 was published but is not recorded"]
+
+
+@pytest.fixture
+def fault_cluster(tmp_path):
+    """The chaos run's Cluster with only its redis-server (append-only file on) and its timer thread."""
+    import random
+
+    from bench.chaos.cluster import Cluster
+
+    cluster = Cluster(Settings.reduced(full_seconds=1.0, stall_seconds=1.0), tmp_path, random.Random(1), print)
+    cluster.redis = RedisServer(find_redis_server(), appendonly=True, directory=tmp_path / "redis")
+    cluster.redis.directory.mkdir()
+    cluster.redis.start()
+    cluster.start_timer()
+    yield cluster
+    cluster.stop()
+
+
+def _writable(url: str) -> bool:
+    with redis.Redis.from_url(url) as client:
+        try:
+            client.set(f"probe-{time.monotonic()}", "x" * 50_000)
+        except redis.exceptions.OutOfMemoryError:
+            return False
+    return True
+
+
+def test_a_fill_lasts_its_window_while_the_fault_loop_is_blocked_and_over_a_restart(fault_cluster) -> None:
+    """Redis is full for `full_seconds`, carried over a restart, and lifted on time by the timer.
+
+    The fault loop alone lifted it before, from `check()`: a full run (seed 20261201) kept Redis
+    full from its fill until the publishers were done, and its table said little. Nothing here
+    calls `check()`: the main thread stands for a loop blocked in another fault.
+    """
+    from bench.chaos.run import WINDOW_SLACK
+
+    cluster, url = fault_cluster, fault_cluster.url
+    cluster.fill_redis()
+    assert not _writable(url)
+    cluster.restart_redis()  # the limit is forgotten by the restart and set again
+    assert not _writable(url)
+    time.sleep(cluster.settings.full_seconds + 0.5)
+    assert _writable(url)
+    with redis.Redis.from_url(url) as client:
+        assert client.config_get("maxmemory")["maxmemory"] == "0"
+    assert cluster.fills == 1 and len(cluster.full_windows) == 1
+    assert cluster.settings.full_seconds <= cluster.full_windows[0] <= cluster.settings.full_seconds + WINDOW_SLACK
+    assert cluster.oom_refusals >= 2  # counted before the restart and after it
+
+
+def test_a_wipe_ends_a_fill_and_an_overrun_is_reported(fault_cluster) -> None:
+    from bench.chaos.run import window_overruns
+
+    cluster = fault_cluster
+    cluster.fill_redis()
+    cluster.wipe_redis()  # an empty server starts without the limit
+    assert _writable(cluster.url) and len(cluster.full_windows) == 1
+    assert window_overruns(cluster.settings, cluster.full_windows, []) == []
+    assert window_overruns(cluster.settings, [9.0], [1.0]) == [
+        "harness: Redis was held full for 9.0 s (its window is 1 s)"
+    ]
+
+
+def test_a_stall_ends_on_time_while_the_fault_loop_is_blocked(fault_cluster) -> None:
+    """The reduced run's coordinator stalled for 6 s was resumed after over 11 s (an MCP server
+    restart blocked the loop that resumed it), long enough for its batch to outlive retention."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        fault_cluster.procs["coordinator"] = [sleeper]
+        fault_cluster.stall("coordinator")
+        wait_for(lambda: _proc_state(sleeper.pid) == "T", 5, "the SIGSTOP to land")  # delivered asynchronously
+        time.sleep(fault_cluster.settings.stall_seconds + 0.5)
+        assert _proc_state(sleeper.pid) != "T"
+        assert fault_cluster.stall_windows and fault_cluster.stall_windows[0] < 2.0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        fault_cluster.procs["coordinator"] = []
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
 
 
 @pytest.mark.timeout(180)

@@ -108,6 +108,8 @@ class Report:
     coordinator_stalls: int = 0
     server_blackholes: int = 0
     redis_fills: int = 0
+    redis_full_seconds: float = 0.0  # the longest time a fill really held Redis full (its window: full_seconds)
+    stall_seconds: float = 0.0  # the longest a SIGSTOP really lasted (stall_seconds) before its SIGCONT
     oom_refusals: int = 0
     redis_wipes: int = 0
     primary_kills: int = 0  # cluster primaries SIGKILLed (their replicas took over)
@@ -175,7 +177,7 @@ class Report:
             (
                 "stalls survived",
                 f"{self.coordinator_stalls} coordinator, {self.worker_stalls} worker (mid-call when one was busy), "
-                "SIGSTOP then SIGCONT",
+                f"SIGSTOP then SIGCONT (after {self.stall_seconds:.1f} s at most)",
             ),
             ("server restarts", f"{self.server_restarts} (+ {self.server_blackholes} black-holed: calls hang)"),
             ("redis restarts", f"{self.redis_restarts} (append-only file on)"),
@@ -190,8 +192,8 @@ class Report:
             ),
             (
                 "redis full",
-                f"{self.redis_fills} (maxmemory just above use, noeviction): {self.oom_refusals} commands refused "
-                "with OOM",
+                f"{self.redis_fills} (maxmemory just above use, noeviction, "
+                f"for {self.redis_full_seconds:.1f} s at most): {self.oom_refusals} commands refused with OOM",
             ),
             (
                 "redis data lost",
