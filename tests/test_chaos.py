@@ -67,9 +67,6 @@ def run_and_tell(settings: Settings) -> tuple[Report, str]:
 
 
 @pytest.mark.timeout(300)
-# Its one-in-three failure is found and fixed (README "Known flaky tests"), but the full suite's run
-# after the fix met two rarer ones not explained yet; one rerun, and a second failure fails the suite.
-@pytest.mark.flaky(reruns=1)
 def test_reduced_chaos_run_keeps_every_guarantee(tmp_path) -> None:
     settings = Settings.reduced(workdir=str(tmp_path / "chaos"), seed=SEED, fail_rate=0.3)
     report, text = run_and_tell(settings)
