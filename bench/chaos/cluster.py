@@ -138,6 +138,7 @@ class Cluster:
         self.oom_refusals = 0  # commands Redis refused with OOM while full (INFO errorstats)
         self._full_until: float | None = None
         self._full_since: float | None = None
+        self._full_down = 0.0  # seconds of the current fill Redis spent restarting (not full, down)
         self.full_windows: list[float] = []  # how long each fill really held Redis full (s)
         # The timer thread ends stalls and fills on time, whatever the fault loop is blocked in (an
         # MCP server restart took 11 s in a reduced run, a stall meant to last 6 s lasted over 11,
@@ -367,9 +368,11 @@ class Cluster:
                 self.unfill_redis(carry=True)
             started = time.monotonic()
             self.redis.restart()
+            down = time.monotonic() - started
             self.restarts["redis"] += 1
-            self.out(f"  restarted redis-server with AOF ({time.monotonic() - started:.2f} s down)")
+            self.out(f"  restarted redis-server with AOF ({down:.2f} s down)")
             if full:
+                self._full_down += down
                 self.fill_redis(carry=True)
 
     def blackhole_server(self, name: str) -> None:
@@ -434,9 +437,11 @@ class Cluster:
             return True
 
     def _end_fill(self) -> None:
+        """The fill is over: how long Redis was held full (a restart's time down not counted)."""
         if self._full_since is not None:
-            self.full_windows.append(time.monotonic() - self._full_since)
+            self.full_windows.append(time.monotonic() - self._full_since - self._full_down)
         self._full_until = self._full_since = None
+        self._full_down = 0.0
 
     def wipe_redis(self) -> tuple[float, float]:
         """Stop redis-server, delete its append-only file, start it empty: everything in flight is lost.
