@@ -432,6 +432,20 @@ def test_a_stall_ends_on_time_while_the_fault_loop_is_blocked(fault_cluster) -> 
         fault_cluster.procs["coordinator"] = []
 
 
+def test_a_publisher_pauses_after_a_workflow_redis_refused() -> None:
+    """A full Redis fails a workflow in milliseconds (its intent or step refused, then its end): a
+    publisher that started its next one at once failed 305 of the full run's 500 workflows in one
+    3 s fill. Only a refused write makes it pause; a tool's failure or a missing connection does not."""
+    from bench.chaos.agents import refused
+
+    base = {"outcome": "failed", "terminalPublished": True, "error": "ToolCallFailed: no"}
+    assert not refused(base)
+    assert refused({**base, "terminalPublished": False})  # its workflow-failed was refused
+    assert refused({**base, "error": "StepNotRecorded: step 's0' ... server:OutOfMemoryError"})
+    assert not refused({"outcome": "not-started", "terminalPublished": False, "error": "no MCP connection"})
+    assert not refused({"outcome": "completed", "terminalPublished": True, "error": None})
+
+
 def _proc_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().rsplit(")", 1)[1].split()[0]

@@ -63,6 +63,7 @@ class Settings:
     idle_ttl: int = 300
     in_doubt_after: float = 120.0  # a running workflow with an open call and no event is failed after this
     publisher_call_timeout: float = 15.0
+    refused_pause: float = 1.0  # a publisher's pause after a workflow whose write Redis refused (a full Redis)
     publish_timeout: float = 600.0  # bounded wait for the publishers
     settle_timeout: float = 180.0  # bounded wait for quiescence after the publishers finished
     expiry_timeout: float = 90.0  # bounded wait for keys to expire after quiescence
