@@ -32,7 +32,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from mcp_saga.workers.job import JOB_FUNCTION, Outbox, first_reads
+from mcp_saga.schemas.records import JOB_FUNCTION
+from mcp_saga.workers.job import Outbox, first_reads
 from rq import SimpleWorker
 from rq.executions import Execution
 from rq.job import Job, JobStatus

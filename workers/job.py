@@ -61,7 +61,6 @@ from mcp_saga.schemas.events import (
 )
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.records import (
-    JOB_FUNCTION,
     SETTLED,
     Compensation,
     CompensationJob,
@@ -79,7 +78,6 @@ from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
 log = get_logger("worker")
-__all__ = ["JOB_FUNCTION", "Outbox", "compensate", "first_reads"]
 
 # Test-only: SIGKILL this worker right after the tool call returns, before its report.
 KEY_ARGUMENTS = ("idempotencyKey", "idempotency_key")
