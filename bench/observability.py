@@ -1,6 +1,7 @@
 """What metrics and tracing cost: ingest and worker throughput with them on and off, in the same run.
 
     python -m bench.observability [--workflows 500] [--steps 10] [--jobs 300] [--rounds 9]
+                                  [--worker-rounds 80] [--block 10] [--parts ingest,attempt,worker]
 
 "Off" replaces the hooks in the coordinator, the worker and the session pool with no-ops, so it
 is the code without instrumentation; "on" is what production runs with both on: every counter and
@@ -9,11 +10,11 @@ OTLP/HTTP to a local stand-in for a collector that answers 200 to each batch (en
 sending are paid; a collector's own work is not).
 
 On a shared 2-core box, two runs of the same code differ by 10-30% in wall-clock rate and by
-5-15% in CPU time, so every part runs its modes in `--rounds` interleaved rounds (off, on, off
-again, in an order that rotates from round to round) and judges the median of the per-round
-ratios, printed with their quartiles; "off again" is an A/A row: the ratio of two runs of the
-same code, the noise floor of the figure. CPU time is the primary figure (it moves less than
-rates when other work shares the cores).
+5-15% in CPU time, so every part runs its modes in interleaved rounds (off, on, off again, in an
+order that rotates from round to round) and judges the median of the per-round ratios, printed
+with their quartiles; "off again" is an A/A row: the ratio of two runs of the same code, the
+noise floor of the figure. CPU time is the primary figure (it moves less than rates when other
+work shares the cores).
 
 (a) ingest: one in-process coordinator drains `--workflows` x `--steps` step-completed events
     (each with a trace context) of which one workflow in five then fails, so the batches hold
@@ -21,10 +22,11 @@ rates when other work shares the cores).
 (b) a worker's compensation attempt run in-process without RQ (so RQ's share, about half a
     job's CPU, is not there to dilute it): its CPU, with every attempt traced and with 1 in 10;
     and the hooks alone (one attempt's span, exported and flushed, its metrics), as a share.
-(c) one worker process over streamable HTTP (bench/worker.py's method), `--jobs` jobs carrying a
-    trace context per run: its CPU per compensation after its first (measured in the process,
-    the span exporter's flush included), and compensations/s (ratio of the medians).
-Target: on / off <= 1/0.95 for CPU, >= 0.95 for rates.
+(c) one worker process (one slot) over streamable HTTP, every job carrying a trace context, its
+    jobs in blocks of `--block` that take turns at off, on and off again (`--worker-rounds`
+    rounds, two more of warm-up left out): its CPU per compensation, measured inside it, and
+    compensations/s. Separate processes per mode drifted apart as far as the effect.
+Target: on / off <= 1/0.95 for CPU, >= 0.95 for rates. `--parts` runs some of the parts only.
 """
 
 from __future__ import annotations
@@ -501,8 +503,8 @@ def rows(
     steps: int = 10,
     jobs: int = 300,
     rounds: int = 9,
-    worker_rounds: int = 40,
-    block: int = 20,
+    worker_rounds: int = 80,
+    block: int = 10,
     parts: tuple[str, ...] = PARTS,
 ) -> list[Row]:
     rounds = max(2, rounds)
@@ -571,8 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--jobs", type=int, default=300, help="attempts per in-process round (a quarter of it)")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds of ingest (the attempts: twice)")
-    parser.add_argument("--worker-rounds", type=int, default=40, help="rounds of the worker process's blocks")
-    parser.add_argument("--block", type=int, default=20, help="jobs per block in the worker process")
+    parser.add_argument("--worker-rounds", type=int, default=80, help="rounds of the worker process's blocks")
+    parser.add_argument("--block", type=int, default=10, help="jobs per block in the worker process")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {', '.join(PARTS)}")
     args = parser.parse_args(argv)
     parts = tuple(part.strip() for part in args.parts.split(",") if part.strip())
