@@ -20,7 +20,7 @@ from typing import Any
 
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue, queue_for
-from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, index_item
+from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, gone_item, index_item
 from mcp_saga.runtime import metrics, tracing
 from mcp_saga.runtime.connect import check_layout
 from mcp_saga.runtime.durability import Durability
@@ -349,6 +349,11 @@ class Coordinator:
             if rec.created or redelivered or w in announced:
                 deadline = idle if w in announced else ""
                 items.append((w, f"{rec.created_at:.6f}", rec.version, "running", f"{rec.created_at:.6f}", deadline))
+        # A workflow none of whose events could be folded has no state (it expired, say, before a
+        # report or a step held by a dead or paused coordinator was claimed): the indexes must not
+        # keep naming it in the status its last follow-up left, which may never have been written.
+        folded = {v.workflow for v in committed}
+        items += [gone_item(w) for w in groups if w not in folded and w not in contended]
         self.store.follow_up(items, committed, dead)
         unacked = {e.id for items_ in contended.values() for e, _ in items_}
         self.store.settle(committed, [i for i, _ in entries if i.decode() not in unacked])
@@ -538,9 +543,7 @@ class Coordinator:
         if not due:
             return 0
         views = self.store.load({w: (True, ()) for w in due})
-        gone = [w for w, v in views.items() if not v.state.version]
-        if gone:
-            self.redis.zrem(self.keys.deadlines, *gone)
+        gone = [gone_item(w) for w, v in views.items() if not v.state.version]  # out of every index
         live = [v for v in views.values() if v.state.version]
         leased = self._alive({v.workflow: v for v in live}, now)
         barriers = {v.workflow for v in live if self.machine.barrier_due(v, now)}
@@ -555,7 +558,8 @@ class Coordinator:
         committed = [v for v in live if v.workflow not in lost]
         metrics.transitions(committed)
         self._dispatch(committed, ensure=False)
-        self.store.follow_up([index_item(v, self.machine.next_deadline(v), True) for v in committed], committed, [])
+        items = [index_item(v, self.machine.next_deadline(v), True) for v in committed]
+        self.store.follow_up(items + gone, committed, [])
         self.store.settle(committed, [])
         return len(committed)
 

@@ -65,6 +65,11 @@ def index_item(view: WorkflowView, deadline: float | None, known: bool) -> Index
     return (view.workflow, f"{state.created_at:.6f}", state.version, state.status, f"{score:.6f}", where)
 
 
+def gone_item(workflow: str) -> IndexItem:
+    """The index line of a workflow whose state the caller found gone: index.lua forgets it."""
+    return (workflow, "0", 0, "", "0", "-")
+
+
 def flat_entries(entries: list[TimelineEntry]) -> list[str | bytes | int]:
     """Timeline entries as the Lua scripts take them: per entry its field count, then name, value pairs."""
     args: list[str | bytes | int] = []
@@ -282,6 +287,9 @@ class Store:
     def follow_up(self, items: list[IndexItem], views: list[WorkflowView], dead: list[DeadEntry]) -> None:
         """What lives outside the workflows' slots: indexes and deadlines, outcomes, dead letters.
 
+        An item whose workflow's state is gone by the time it is written forgets the workflow
+        instead (index.lua; on a cluster only the `gone_item`s, whose state the caller found gone).
+
         Raises (a `ResponseError`, e.g. OOM) when Redis refused any of it; the caller then
         acknowledges nothing, so every entry comes back and all of this is written again: the
         index script is idempotent and ignores what is older than it already reflects, outcomes
@@ -292,7 +300,10 @@ class Store:
             args: list[str | int | float] = [len(STATUSES), *STATUSES, len(items)]
             for item in items:
                 args += item
-            self._index(keys=self.keys.index_keys(), args=args, client=pipe)
+            keys = self.keys.index_keys()
+            if not self.cluster:  # the script checks that each item's state is still there
+                keys += [self.keys.state(item[0]) for item in items]
+            self._index(keys=keys, args=args, client=pipe)
         for view in views:
             for raw in view.outbox:
                 for outcome in msgspec.json.decode(raw):

@@ -23,7 +23,7 @@ from mcp_saga.cli.redis_server import RedisServer, find_redis_server
 from mcp_saga.coordinator.consumer import Coordinator
 from mcp_saga.runtime.reader import Reader
 from mcp_saga.schemas.config import Config, dump_config, parse_config
-from mcp_saga.schemas.events import StepCompleted, WorkflowFailed, entry_fields
+from mcp_saga.schemas.events import CompensationSucceeded, StepCompleted, WorkflowFailed, entry_fields
 from mcp_saga.schemas.keys import STATUSES, Keys
 from mcp_saga.schemas.records import comp_decoder, state_from_hash
 from processes import REPO, free_port, saga_process, stop, wait_for, wait_until_accepting
@@ -201,6 +201,68 @@ def test_a_late_follow_up_never_moves_a_workflow_back(r: redis.Redis) -> None:
     coord.store.follow_up([("race", created, 1, "running", "1.0", "-")], [], [])
     assert indexed(r, "race") == ["compensating"]
     assert r.zscore(K.deadlines, "race") is not None
+
+
+def test_a_report_claimed_after_its_workflow_expired_takes_it_out_of_every_index(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """A coordinator commits a workflow's last transition and dies before its follow-up; the
+    workflow's retention runs out before the report is claimed again. The heir finds no state and
+    dead-letters the report, and must take the workflow out of the indexes too.
+
+    Before the fix the index kept `compensating` (what the follow-up before the lost one wrote),
+    which the sweep looks at only after the idle TTL: the reduced chaos run met it once
+    (`saga:index:{idx}:compensating chaos-0-00026 (gone)`), and `saga list` showed it for a week.
+    """
+    config = tmp_path / "saga.toml"
+    config.write_text(toml({"coordinator": {"block_ms": 50, "claim_idle_ms": 300, "retention_compensated": 1}}))
+    first = saga_process("coordinator", "--name", "first", redis_url=redis_url, config=config, log=tmp_path / "1.log")
+    try:
+        publish(r, "late-1", step("a"), WorkflowFailed(reason="boom"))
+        wait_for(lambda: indexed(r, "late-1") == ["compensating"], 30, "the unwind to start")
+        wait_for(lambda: r.xpending(K.events, K.group)["pending"] == 0, 30, "the first coordinator to ack")
+    finally:
+        stop(first)
+    assert r.zscore(K.deadlines, "late-1") is not None  # the watchdog's deadline of the dispatch
+    publish(r, "late-1", CompensationSucceeded(step="a", dispatch=1))  # what the worker would report
+    crashing = saga_process(
+        "coordinator", "--name", "doomed", redis_url=redis_url, config=config,
+        env={"SAGA_TEST_CRASH_AFTER_COMMIT": "1"}, log=tmp_path / "doomed.log",
+    )  # fmt: skip
+    assert crashing.wait(30) == 70
+    wait_for(lambda: not r.exists(K.state("late-1")), 30, "the compensated workflow's retention to run out")
+    assert indexed(r, "late-1") == ["compensating"]  # the follow-up of `compensated` was never written
+    heir = saga_process("coordinator", "--name", "heir", redis_url=redis_url, config=config, log=tmp_path / "h.log")
+    try:
+        wait_for(lambda: r.xpending(K.events, K.group)["pending"] == 0, 30, "the heir to claim and acknowledge")
+    finally:
+        stop(heir)
+    assert [f[b"type"] for _, f in r.xrange(K.dead_letter)] == [b"compensation-succeeded"]
+    assert indexed(r, "late-1") == []
+    assert r.zscore(K.deadlines, "late-1") is None and not r.hexists(K.index_versions, "late-1")
+
+
+def test_a_follow_up_written_after_its_workflow_expired_does_not_bring_it_back(r: redis.Redis) -> None:
+    """A coordinator paused (SIGSTOP) between its read and its index write, for longer than the
+    workflow took to settle, expire and be swept, writes an index item of a workflow that is gone.
+
+    The sweep had forgotten the workflow's version, so nothing said the item was old: before the
+    fix it put the workflow back in `compensating`, where the sweep looks only after the idle TTL.
+    """
+    config = parse_config({"coordinator": {"block_ms": 10, "claim_idle_ms": 100}})
+    coord = Coordinator(r, config, name="c")
+    coord.ensure_group()
+    publish(r, "paused", step("a"), WorkflowFailed())
+    coord.process(coord._read(">"), redelivered=False)
+    assert indexed(r, "paused") == ["compensating"]
+    state = state_from_hash(r.hgetall(K.state("paused")))
+    # What the paused coordinator read: compensating, with its watchdog deadline.
+    late = ("paused", f"{state.created_at:.6f}", state.version, "compensating", f"{state.updated_at:.6f}", "1.0")
+    r.delete(*K.workflow_keys("paused"))  # settled and expired meanwhile (retention)
+    assert coord.store.collect_garbage(time.time() + config.coordinator.idle_ttl + 1) >= 1
+    assert indexed(r, "paused") == []
+    coord.store.follow_up([late], [], [])
+    assert indexed(r, "paused") == [] and r.zscore(K.deadlines, "paused") is None
 
 
 # 5. Redis conditions that heal never end the process, and never ack what was refused -----------

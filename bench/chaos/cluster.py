@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -129,12 +130,25 @@ class Cluster:
         self.crashes = 0
         self.doomed: list[Doomed] = []
         self.stalls: Counter[str] = Counter()
-        self._stopped: list[tuple[float, list[int]]] = []  # (when to resume, pids)
+        self._stopped: list[tuple[float, list[int], float]] = []  # (when to resume, pids, since when)
+        self.stall_windows: list[float] = []  # how long each SIGSTOP really lasted (s)
         self._names: dict[int, str] = {}
         self.blackholes = 0
         self.fills = 0
         self.oom_refusals = 0  # commands Redis refused with OOM while full (INFO errorstats)
         self._full_until: float | None = None
+        self._full_since: float | None = None
+        self._full_down = 0.0  # seconds of the current fill Redis spent restarting (not full, down)
+        self.full_windows: list[float] = []  # how long each fill really held Redis full (s)
+        # The timer thread ends stalls and fills on time, whatever the fault loop is blocked in (an
+        # MCP server restart took 11 s in a reduced run, a stall meant to last 6 s lasted over 11,
+        # and a full run kept Redis full from its fill until the publishers were done). One lock
+        # for the stopped processes, one for Redis's limit and restarts: a Redis restart never
+        # delays a SIGCONT.
+        self._stall_lock = threading.Lock()
+        self._redis_lock = threading.RLock()
+        self._timer_stop = threading.Event()
+        self._timer: threading.Thread | None = None
         self.config = workdir / "saga.toml"
         self.redis_cluster: LocalCluster | None = None
         self.queue: RedisServer | None = None  # RQ's standalone Redis, on a cluster
@@ -162,6 +176,24 @@ class Cluster:
         for kind, count in (("coordinator", self.settings.coordinators), ("worker", self.settings.workers)):
             for _ in range(count):
                 self.procs[kind].append(self._spawn(kind))
+        self.start_timer()
+
+    def start_timer(self, every: float = 0.05) -> None:
+        """End due stalls and fills from a thread of its own, every `every` seconds, until `stop()`."""
+
+        def loop() -> None:
+            while not self._timer_stop.wait(every):
+                self.restore()
+
+        self._timer = threading.Thread(target=loop, name="chaos-timer", daemon=True)
+        self._timer.start()
+
+    def restore(self) -> None:
+        """SIGCONT the stalled processes whose time is up, and lift a fill whose time is up."""
+        self.resume()
+        with self._redis_lock:
+            if self._full_until is not None and time.monotonic() >= self._full_until:
+                self.unfill_redis()
 
     @property
     def url(self) -> str:
@@ -275,22 +307,27 @@ class Cluster:
         and SIGCONT it `stall_seconds` later: a process that hangs and comes back, not one that dies."""
         victim = (self._busy_worker() if kind == "worker" else None) or self.rng.choice(self.procs[kind])
         pids = [victim.pid, *descendants(victim.pid)]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
-        self._stopped.append((time.monotonic() + self.settings.stall_seconds, pids))
+        with self._stall_lock:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            now = time.monotonic()
+            self._stopped.append((now + self.settings.stall_seconds, pids, now))
         self.stalls[kind] += 1
         self.out(f"  SIGSTOP {kind} (pid {victim.pid}) for {self.settings.stall_seconds:g} s")
 
     def resume(self, everything: bool = False) -> None:
         """SIGCONT the stalled processes whose time is up (all of them when stopping)."""
-        now = time.monotonic()
-        for entry in list(self._stopped):
-            if everything or now >= entry[0]:
-                for pid in entry[1]:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGCONT)
-                self._stopped.remove(entry)
+        with self._stall_lock:
+            now = time.monotonic()
+            for entry in list(self._stopped):
+                if everything or now >= entry[0]:
+                    for pid in entry[1]:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGCONT)
+                    self._stopped.remove(entry)
+                    if not everything:
+                        self.stall_windows.append(now - entry[2])
 
     def _busy_worker(self, within: float = 1.0) -> subprocess.Popen[bytes] | None:
         by_name = {self._names[p.pid]: p for p in self.procs["worker"]}
@@ -319,19 +356,24 @@ class Cluster:
         self.out(f"  restarted MCP server {name} on port {server.port} ({time.monotonic() - started:.2f} s)")
 
     def restart_redis(self) -> None:
-        """SIGTERM redis-server (it flushes the append-only file) and start it on the same port and dir."""
+        """SIGTERM redis-server (it flushes the append-only file) and start it on the same port and dir.
+
+        A fill in progress is carried over: a restart forgets the limit and the error counts, so
+        they are counted before and the limit is set again after, for the time the fill had left.
+        """
         assert self.redis is not None
-        full_until = self._full_until
-        if full_until is not None:  # a restart forgets the limit and the error counts: count them, set it again
-            self.unfill_redis()
-        started = time.monotonic()
-        self.redis.restart()
-        self.restarts["redis"] += 1
-        self.out(f"  restarted redis-server with AOF ({time.monotonic() - started:.2f} s down)")
-        if full_until is not None:
-            self.fill_redis()
-            self.fills -= 1  # the same fill, carried over the restart for the time it had left
-            self._full_until = full_until
+        with self._redis_lock:
+            full = self._full_until is not None
+            if full:
+                self.unfill_redis(carry=True)
+            started = time.monotonic()
+            self.redis.restart()
+            down = time.monotonic() - started
+            self.restarts["redis"] += 1
+            self.out(f"  restarted redis-server with AOF ({down:.2f} s down)")
+            if full:
+                self._full_down += down
+                self.fill_redis(carry=True)
 
     def blackhole_server(self, name: str) -> None:
         """SIGSTOP an example server for `stall_seconds`: its port still accepts, nothing answers.
@@ -341,42 +383,65 @@ class Cluster:
         """
         server = self.servers[name]
         assert server.proc is not None
-        os.kill(server.proc.pid, signal.SIGSTOP)
-        self._stopped.append((time.monotonic() + self.settings.stall_seconds, [server.proc.pid]))
+        with self._stall_lock:
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            now = time.monotonic()
+            self._stopped.append((now + self.settings.stall_seconds, [server.proc.pid], now))
         self.blackholes += 1
         self.out(f"  black-holed MCP server {name} (SIGSTOP) for {self.settings.stall_seconds:g} s")
 
-    def fill_redis(self) -> None:
+    def fill_redis(self, *, carry: bool = False) -> None:
         """Set `maxmemory` just above what Redis uses now, for `full_seconds`: writes fail with OOM.
 
         The policy stays `noeviction` (the coordinator refuses an evicting one), so nothing is
         destroyed; coordinators and workers must back off without acknowledging, and carry on
-        once the limit is lifted.
+        once the limit is lifted. `carry`: the same fill again after a restart, its window unchanged.
         """
-        r = redis.Redis.from_url(self.url)
-        try:
-            r.config_resetstat()
-            used = int(r.info("memory")["used_memory"])
-            r.config_set("maxmemory", used + self.settings.full_margin)
-        finally:
-            r.close()
-        self._full_until = time.monotonic() + self.settings.full_seconds
-        self.fills += 1
-        self.out(f"  Redis maxmemory set to {used + self.settings.full_margin} B for {self.settings.full_seconds:g} s")
+        with self._redis_lock:
+            r = redis.Redis.from_url(self.url)
+            try:
+                r.config_resetstat()
+                used = int(r.info("memory")["used_memory"])
+                r.config_set("maxmemory", used + self.settings.full_margin)
+            finally:
+                r.close()
+            if not carry:
+                self._full_since = time.monotonic()
+                self._full_until = self._full_since + self.settings.full_seconds
+                self.fills += 1
+            left = max(0.0, (self._full_until or 0.0) - time.monotonic())
+            self.out(f"  Redis maxmemory set to {used + self.settings.full_margin} B for {left:.1f} s")
 
-    def unfill_redis(self) -> None:
-        """Lift the `maxmemory` limit of `fill_redis` (retried: a restart may be under way)."""
-        r = redis.Redis.from_url(self.url)
-        try:
-            r.config_set("maxmemory", 0)
-            self._full_until = None
-            self.oom_refusals += int(r.info("errorstats").get("errorstat_OOM", {}).get("count", 0))
-            r.config_resetstat()
-            self.out("  Redis maxmemory lifted")
-        except redis.RedisError:
-            pass
-        finally:
-            r.close()
+    def unfill_redis(self, *, carry: bool = False) -> bool:
+        """Lift the limit of `fill_redis`; False if Redis did not take it (the timer tries again).
+
+        The fill ends (and its window is measured) only once Redis says `maxmemory` is 0; `carry`:
+        lifted for a restart, to be set again (`restart_redis`), so the fill goes on.
+        """
+        with self._redis_lock:
+            r = redis.Redis.from_url(self.url)
+            try:
+                r.config_set("maxmemory", 0)
+                if int(r.config_get("maxmemory")["maxmemory"]) != 0:
+                    return False
+                if not carry:
+                    self._end_fill()
+                self.oom_refusals += int(r.info("errorstats").get("errorstat_OOM", {}).get("count", 0))
+                r.config_resetstat()
+            except redis.RedisError:
+                return False
+            finally:
+                r.close()
+            if not carry:
+                self.out(f"  Redis maxmemory lifted after {self.full_windows[-1]:.1f} s")
+            return True
+
+    def _end_fill(self) -> None:
+        """The fill is over: how long Redis was held full (a restart's time down not counted)."""
+        if self._full_since is not None:
+            self.full_windows.append(time.monotonic() - self._full_since - self._full_down)
+        self._full_until = self._full_since = None
+        self._full_down = 0.0
 
     def wipe_redis(self) -> tuple[float, float]:
         """Stop redis-server, delete its append-only file, start it empty: everything in flight is lost.
@@ -385,15 +450,16 @@ class Cluster:
         flight during it to be lost (and counts them), rather than flagging them.
         """
         assert self.redis is not None
-        began = time.time()
-        self.redis.stop()
-        for path in self.redis.directory.iterdir():
-            if path.name != "redis.log":
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        self.redis.start()
-        if self._full_until is not None:  # an empty server starts without the limit
-            self._full_until = None
-        ended = time.time()
+        with self._redis_lock:
+            began = time.time()
+            self.redis.stop()
+            for path in self.redis.directory.iterdir():
+                if path.name != "redis.log":
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+            self.redis.start()
+            if self._full_until is not None:  # an empty server starts without the limit: the fill ends
+                self._end_fill()
+            ended = time.time()
         self.restarts["wipe"] += 1
         self.out(f"  restarted redis-server WITHOUT its data ({ended - began:.2f} s down)")
         return began, ended
@@ -425,9 +491,7 @@ class Cluster:
 
     def check(self) -> None:
         """A coordinator or worker that exited without being killed is a finding; restart it anyway."""
-        self.resume()
-        if self._full_until is not None and time.monotonic() >= self._full_until:
-            self.unfill_redis()
+        self.restore()
         for doomed in self.doomed:
             if doomed.proc.poll() is None:
                 doomed.children = descendants(doomed.proc.pid)  # its scheduler, to stop once it is orphaned
@@ -443,6 +507,10 @@ class Cluster:
                     procs[i] = self._spawn(kind)
 
     def stop(self) -> None:
+        self._timer_stop.set()
+        if self._timer is not None:
+            self._timer.join()
+            self._timer = None
         self.resume(everything=True)
         if self._full_until is not None:
             self.unfill_redis()

@@ -63,6 +63,7 @@ class Settings:
     idle_ttl: int = 300
     in_doubt_after: float = 120.0  # a running workflow with an open call and no event is failed after this
     publisher_call_timeout: float = 15.0
+    refused_pause: float = 1.0  # a publisher's pause after a workflow whose write Redis refused (a full Redis)
     publish_timeout: float = 600.0  # bounded wait for the publishers
     settle_timeout: float = 180.0  # bounded wait for quiescence after the publishers finished
     expiry_timeout: float = 90.0  # bounded wait for keys to expire after quiescence
@@ -108,6 +109,8 @@ class Report:
     coordinator_stalls: int = 0
     server_blackholes: int = 0
     redis_fills: int = 0
+    redis_full_seconds: float = 0.0  # the longest time a fill really held Redis full (its window: full_seconds)
+    stall_seconds: float = 0.0  # the longest a SIGSTOP really lasted (stall_seconds) before its SIGCONT
     oom_refusals: int = 0
     redis_wipes: int = 0
     primary_kills: int = 0  # cluster primaries SIGKILLed (their replicas took over)
@@ -130,6 +133,10 @@ class Report:
     lost_events: int = 0
     out_of_order: int = 0  # failed workflows whose undos were not applied last-first
     late_steps: int = 0  # steps of completed workflows handled after their completion (a kill reordered them)
+    # Workflows events started again after they expired (held by a coordinator paused or dead for
+    # longer than the retention: README, "Not promised"), and the published steps only those have.
+    restarted_workflows: int = 0
+    restarted_steps: int = 0
     left_for_human: int = 0  # committed effects of needs-attention workflows, not undone, with a reason
     unseen_effects: int = 0  # effects a server applied but no orchestrator learned of, and no intent records
     # Effects that landed but were never confirmed to the orchestrator, whose intent mcp-saga recorded:
@@ -171,7 +178,7 @@ class Report:
             (
                 "stalls survived",
                 f"{self.coordinator_stalls} coordinator, {self.worker_stalls} worker (mid-call when one was busy), "
-                "SIGSTOP then SIGCONT",
+                f"SIGSTOP then SIGCONT (after {self.stall_seconds:.1f} s at most)",
             ),
             ("server restarts", f"{self.server_restarts} (+ {self.server_blackholes} black-holed: calls hang)"),
             ("redis restarts", f"{self.redis_restarts} (append-only file on)"),
@@ -186,8 +193,8 @@ class Report:
             ),
             (
                 "redis full",
-                f"{self.redis_fills} (maxmemory just above use, noeviction): {self.oom_refusals} commands refused "
-                "with OOM",
+                f"{self.redis_fills} (maxmemory just above use, noeviction, "
+                f"for {self.redis_full_seconds:.1f} s at most): {self.oom_refusals} commands refused with OOM",
             ),
             (
                 "redis data lost",
@@ -205,16 +212,7 @@ class Report:
             ),
             ("double effects", str(self.double_effects)),
             ("out of LIFO order", str(self.out_of_order)),
-            (
-                "lost events",
-                f"{self.lost_events}"
-                + (
-                    f" ({self.late_steps} steps of completed workflows were reordered by a kill "
-                    "and recorded after the completion)"
-                    if self.late_steps
-                    else ""
-                ),
-            ),
+            ("lost events", self.lost_events_text()),
             ("needs-attention", f"{len(self.attention)} workflows, {self.left_for_human} effects left with a reason"),
             (
                 "landed, never confirmed",
@@ -234,6 +232,25 @@ class Report:
             ),
             ("wall time", f"{self.wall_seconds:.0f} s (quiescent {self.settle_seconds:.0f} s after the last workflow)"),
         ]
+
+    def lost_events_text(self) -> str:
+        notes = self.late_notes()
+        return f"{self.lost_events} ({'; '.join(notes)})" if notes else str(self.lost_events)
+
+    def late_notes(self) -> list[str]:
+        """What the "lost events" row explains: events handled late, none of them lost."""
+        notes = []
+        if self.late_steps:
+            notes.append(
+                f"{self.late_steps} steps of completed workflows were reordered by a kill "
+                "and recorded after the completion"
+            )
+        if self.restarted_workflows:
+            notes.append(
+                f"{self.restarted_workflows} workflows restarted by events handled after their retention, "
+                f"{self.restarted_steps} published steps recorded only there"
+            )
+        return notes
 
     def table(self) -> str:
         rows = self.rows()

@@ -21,7 +21,7 @@ from mcp_saga.examples.ledger import read_state
 from mcp_saga.schemas.keys import STATUSES, Keys
 
 from bench.chaos.cluster import Cluster, _terminate
-from bench.chaos.model import SERVERS, Out, Report, Settings
+from bench.chaos.model import SERVERS, TERMINAL, Out, Report, Settings
 from bench.chaos.verify import (
     Tracker,
     dead_letters,
@@ -166,7 +166,7 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
         crashed = cluster.crashed_jobs()
         worker_log = worker_log_events(workdir)
         verify(tracker.records, tracker.snapshots, ledgers, worker_log, dead, report, crashed, tracker.lost(),
-               tracker.failover_losses())  # fmt: skip
+               tracker.failover_losses(), tracker.later)  # fmt: skip
         report.workflows = len(tracker.records)
         if report.workflows != settings.workflows:
             report.violations.append(f"{settings.workflows - report.workflows} workflows have no publisher record")
@@ -184,6 +184,9 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
         # Their keys stay until `idle_ttl`.
         lost = tracker.lost()
         unfinished = frozenset(w for w, rec in tracker.records.items() if not rec["terminalPublished"] or w in lost)
+        # A later incarnation that a step alone started stays `running` until `idle_ttl` (README, "Not promised").
+        unfinished |= {w for w, again in tracker.later.items() if any(s.state.get("status") not in TERMINAL
+                                                                      for s in again.values())}  # fmt: skip
         after = footprint(r, keys, unfinished, queue=q)
         while (after["workflow_keys"] or after["indexed"]) and time.monotonic() < deadline:
             time.sleep(1)
@@ -224,6 +227,9 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
         report.primary_kills = cluster.restarts["primary"]
         report.failover_seconds = max((healthy - killed for killed, healthy, _ in cluster.failovers), default=0.0)
         report.redis_fills = cluster.fills
+        report.redis_full_seconds = max(cluster.full_windows, default=0.0)
+        report.stall_seconds = max(cluster.stall_windows, default=0.0)
+        report.violations += window_overruns(settings, cluster.full_windows, cluster.stall_windows)
         report.oom_refusals = cluster.oom_refusals
         report.server_blackholes = cluster.blackholes
         report.coordinator_stalls = cluster.stalls["coordinator"]
@@ -234,6 +240,23 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
         if not settings.keep and report.ok and settings.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     return report
+
+
+# How much longer than its window a fill or a stall may last before the run says its figures mislead.
+WINDOW_SLACK = 2.0
+
+
+def window_overruns(settings: Settings, fills: list[float], stalls: list[float]) -> list[str]:
+    """The harness's own failures: a fill or a stall that outlasted its window.
+
+    A full Redis fails every workflow that runs meanwhile and a stall past the retention makes
+    what it held start new workflows, so a window that overran changes what the run measures.
+    """
+    found = [f"harness: Redis was held full for {s:.1f} s (its window is {settings.full_seconds:g} s)"
+             for s in fills if s > settings.full_seconds + WINDOW_SLACK]  # fmt: skip
+    found += [f"harness: a SIGSTOP lasted {s:.1f} s (its window is {settings.stall_seconds:g} s)"
+              for s in stalls if s > settings.stall_seconds + WINDOW_SLACK]  # fmt: skip
+    return found
 
 
 def index_entries(r: Any, keys: Keys, unfinished: frozenset[str]) -> list[str]:

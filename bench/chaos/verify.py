@@ -49,6 +49,11 @@ class Tracker:
         self.offsets = {p: 0 for p in paths}
         self.records: dict[str, dict[str, Any]] = {}
         self.snapshots: dict[str, Snapshot] = {}
+        # Later incarnations: workflow -> createdAt -> snapshot. Events of a workflow handled after
+        # it expired (held by a coordinator paused or dead for longer than the retention) start a
+        # new one (README, "Not promised"); it is not the workflow its orchestrator ran, so it never
+        # replaces that one's snapshot, but a step recorded only there was recorded all the same.
+        self.later: dict[str, dict[str, Snapshot]] = {}
         self.last_settled = time.monotonic()
         self.wipes: list[tuple[float, frozenset[str]]] = []  # (when Redis was back, who had settled before)
         # (SIGKILL of a cluster primary, cluster healthy again, the slots it served), wall clock.
@@ -155,7 +160,7 @@ class Tracker:
                     pipe.hget(self.keys.state(workflow), "status")
                 statuses = pipe.execute()
             settled = [w for w, s in zip(waiting, statuses, strict=True) if s and s.decode() in TERMINAL]
-            self.snapshots.update(self.snapshot(settled))
+            self.keep(self.snapshot(settled))
         except REDIS_AWAY:
             return  # Redis is restarting or failing over: look again on the next round
         if settled:
@@ -182,12 +187,29 @@ class Tracker:
             )
         return taken
 
+    def keep(self, taken: dict[str, Snapshot]) -> None:
+        """File fresh snapshots: the first settled incarnation of a workflow, or a later one apart."""
+        for workflow, snap in taken.items():
+            first = self.snapshots.get(workflow)
+            created = snap.state.get("createdAt", "")
+            if first is None or first.state.get("createdAt", "") == created:
+                self.snapshots[workflow] = snap
+            else:
+                self.later.setdefault(workflow, {})[created] = snap
+
+    def _known(self, workflow: str, created: str) -> Snapshot | None:
+        first = self.snapshots[workflow]
+        if first.state.get("createdAt", "") == created:
+            return first
+        return self.later.get(workflow, {}).get(created)
+
     def follow_changes(self) -> None:
         """Snapshot again the settled workflows that changed since (a step claimed from a killed
         coordinator can land on a completed workflow), before their retention runs out.
 
         A change is another version or another `createdAt`: events claimed after the workflow
-        expired start a new one (README, "Not promised"), whose first version may be the same number.
+        expired start a new one (README, "Not promised"), whose first version may be the same
+        number; `keep` files it apart from the workflow the orchestrator ran.
         """
         names = list(self.snapshots)
         try:
@@ -195,15 +217,15 @@ class Tracker:
                 for workflow in names:
                     pipe.hmget(self.keys.state(workflow), ["version", "createdAt"])
                 seen = pipe.execute()
-            moved = [
-                w
-                for w, (version, created) in zip(names, seen, strict=True)
-                if version is not None
-                and (version.decode(), (created or b"").decode())
-                != (self.snapshots[w].state.get("version"), self.snapshots[w].state.get("createdAt", ""))
-            ]
+            moved = []
+            for w, (version, created) in zip(names, seen, strict=True):
+                if version is None:
+                    continue
+                known = self._known(w, (created or b"").decode())
+                if known is None or known.state.get("version") != version.decode():
+                    moved.append(w)
             if moved:
-                self.snapshots.update(self.snapshot(moved))
+                self.keep(self.snapshot(moved))
         except REDIS_AWAY:
             return  # Redis is restarting or failing over: look again on the next round
 
@@ -212,7 +234,7 @@ class Tracker:
         with self.lock:
             alive = [w for w in self.snapshots if self.r.exists(self.keys.state(w))]
             for i in range(0, len(alive), 200):
-                self.snapshots.update(self.snapshot(alive[i : i + 200]))
+                self.keep(self.snapshot(alive[i : i + 200]))
 
 
 def events_outstanding(r: Any, keys: Keys) -> int:
@@ -329,6 +351,7 @@ def verify(
     crashed: list[tuple[str, str, float]] = (),  # type: ignore[assignment]
     lost: set[str] = frozenset(),  # type: ignore[assignment]
     failover: dict[str, Any] | None = None,
+    later: dict[str, dict[str, Snapshot]] | None = None,
 ) -> None:
     """Every guarantee, checked against the servers' ledgers and the publishers' records.
 
@@ -339,9 +362,14 @@ def verify(
     `failover` names the workflows a cluster primary's SIGKILL may have cost writes
     (`Tracker.failover_losses`): an event or a state they miss is counted in `failover_lost`, each
     with its line in `failover_notes`, not flagged; every other check still applies to them.
+    `later` holds the incarnations events started after a workflow expired (`Tracker.later`): a
+    step recorded only there counts as recorded (in `restarted_steps`), every other check reads
+    the workflow its orchestrator ran.
     """
     violations = report.violations
     failover = failover or {}
+    later = later or {}
+    report.restarted_workflows = len(later)
 
     def missing(workflow: str, events: int, what: str) -> None:
         """`events` published events of `workflow` that Redis does not reflect."""
@@ -409,6 +437,9 @@ def verify(
                 # A step claimed from a killed coordinator after another one completed the workflow
                 # is recorded as such: in the history, nothing to undo.
                 report.late_steps += "after the workflow completed" in (comp.get("reason") or "")
+                continue
+            if any(step["step"] in again.comps for again in later.get(workflow, {}).values()):
+                report.restarted_steps += 1  # handled after the workflow expired: a new incarnation has it
                 continue
             missing(workflow, 1, f"step {step['step']} was published but is not recorded")
         published = {s["step"] for s in steps + record["unpublished"]}
