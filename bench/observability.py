@@ -318,7 +318,7 @@ def worker_rows(url: str, rounds: int, block: int, warm: int, otel: dict[str, st
     """One worker process whose jobs take turns, in blocks of `block`, at off, on and off again.
 
     Separate processes per mode (one per round) gave an A/A as far from 1 as the effect: the load
-    moved between processes seconds apart. Here the modes alternate every few hundred milliseconds in
+    moved between processes seconds apart. Here the modes alternate every tenth of a second or so in
     one process, which measures each job's CPU (see `worker_process`); `warm` rounds are left out.
     """
     this = [sys.executable, "-m", "bench.observability", "--worker-process"]
