@@ -40,6 +40,7 @@ from typing import Any
 from mcp_saga.cli.redis_server import resolve_redis
 from mcp_saga.coordinator import consumer
 from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.runtime.collector import tune_gc
 from mcp_saga.schemas.config import Config, parse_config
 from mcp_saga.schemas.events import StepCompleted, WorkflowCompleted, WorkflowFailed, entry_fields
 from mcp_saga.schemas.keys import STATUSES, Keys
@@ -356,7 +357,7 @@ def hotspots(profile: cProfile.Profile, top: int) -> str:
 
 def measure(url: str, workflows: int, steps: int, repeat: int, profile_top: int) -> tuple[list[Row], dict[str, Any]]:
     redis = Redis.from_url(url)
-    consumer.tune_gc()  # as `saga coordinator` does at start (the baseline loop allocates next to nothing)
+    tune_gc()  # as `saga coordinator` does at start (the baseline loop allocates next to nothing)
     try:
         entries = workload(workflows, steps)
         config = parse_config({"prefix": PREFIX, "coordinator": {"block_ms": 5}})

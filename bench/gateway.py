@@ -128,11 +128,11 @@ async def measure(
     return result
 
 
-def _profiler(pid: int, out: Path) -> subprocess.Popen[bytes]:
+def _profiler(pid: int, out: Path, rate: int = 250) -> subprocess.Popen[bytes]:
     spy = shutil.which("py-spy")
     if spy is None:
         raise SystemExit("--profile needs py-spy (pip install py-spy)")
-    command = [spy, "record", "--pid", str(pid), "--output", str(out), "--rate", "250", "--nonblocking", "--gil"]
+    command = [spy, "record", "--pid", str(pid), "--output", str(out), "--rate", str(rate), "--nonblocking", "--gil"]
     if out.suffix == ".txt":
         command += ["--format", "raw"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL)
@@ -146,6 +146,7 @@ def timings(
     intents: bool = True,
     loops: tuple[str, ...] = ("asyncio",),
     profile: Path | None = None,
+    profile_rate: int = 250,
     base_python: str | None = None,
 ) -> Rounds:
     """One gateway per event loop in `loops` (named by it), all before one upstream, measured in the same rounds."""
@@ -178,7 +179,7 @@ def timings(
             wait_until_accepting("127.0.0.1", port, process)
             urls[loop] = f"http://127.0.0.1:{port}/mcp/bench"
         if profile is not None:
-            spy = _profiler(processes[loops[0]].pid, profile)
+            spy = _profiler(processes[loops[0]].pid, profile, profile_rate)
 
             def stop_profiler() -> None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its output when interrupted
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--profile", type=Path, help="py-spy output of the (first) gateway (.svg flame graph, .txt raw)"
     )
+    parser.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second (default 250)")
     args = parser.parse_args(argv)
     if args.rounds < 7:
         parser.error("--rounds: at least 7, so the median and quartiles of the ratios mean something")
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
             intents=not args.no_intents,
             loops=loops,
             profile=args.profile,
+            profile_rate=args.profile_rate,
             base_python=args.base_python,
         )
     direct = statistics.median(measured.direct)

@@ -8,7 +8,6 @@ redelivered after a crash folds to no change, and its workflows' queued jobs are
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import socket
@@ -52,21 +51,6 @@ STEP_COUNT_CACHE = 100_000
 # Error prefixes of conditions that heal by themselves or by an operator's hand, with no restart.
 # How Redis (6.2, 7.0) reports an error a script's redis.call raised: the inner error's prefix after
 # a dash, behind "Command # N (EVALSHA ...) of pipeline caused error: " when it ran in a pipeline.
-# The youngest generation's collection threshold in a coordinator process (CPython's default: 700).
-GC_YOUNG = 20_000
-
-
-def tune_gc() -> None:
-    """Collect cyclic garbage the way a coordinator process can afford (issue 15, ingest).
-
-    A batch allocates some hundred objects per event (decoded payloads, plans), nearly all freed
-    by reference counting; with CPython's default thresholds the cyclic collector still ran every
-    700 allocations and now and then walked every long-lived object of the process (modules,
-    redis-py, RQ), which cost more per event than the decoding itself. So what start-up built is
-    moved out of the collector's sight, and the young generation is collected less often.
-    """
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG, 50, 50)
 
 
 @dataclass
@@ -118,8 +102,12 @@ class Coordinator:
         self._next_housekeeping = time.monotonic() + 10
         self._refused = RateLimitedLog(log)
         self._step_counts: dict[str, int] = {}
-        # A batch read ahead and planned, to be committed by the next step (see _overlapped).
+        # A batch read ahead and planned, to be committed by the next step; entries read behind a
+        # commit, to be planned during the next one; and the acknowledgements that go with the next
+        # write (see _overlapped).
         self._ready: Batch | None = None
+        self._unread: list[Entry] = []
+        self._settles: list[tuple[Any, ...]] = []
 
     # Process lifetime ---------------------------------------------------------------------
 
@@ -172,7 +160,7 @@ class Coordinator:
                     metrics.REDIS_RECONNECTS.labels("coordinator").inc()
                 delay = 0.0
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                self._ready = None  # its entries stay pending, as a batch cut short: they are claimed again
+                self._forget_ahead()  # its entries stay pending, as a batch cut short: they are claimed again
                 metrics.REDIS_ERRORS.labels("coordinator").inc()
                 # A Redis restart must not end the process: a batch cut short is exactly a crash
                 # mid-batch (its entries stay pending and are claimed again), so wait and go on.
@@ -180,7 +168,7 @@ class Coordinator:
                 log.warning("redis unreachable; retrying", error=str(exc), retry_in=delay)
                 time.sleep(delay)
             except ResponseError as exc:
-                self._ready = None  # read again with the rest of our pending entries
+                self._forget_ahead()  # read again with the rest of our pending entries
                 condition = healing_condition(exc)
                 if condition is None:
                     raise
@@ -199,6 +187,11 @@ class Coordinator:
             log.warning("stopped with a batch read but not handled; it will be claimed again", error=str(exc))
         log.info("coordinator stopped", consumer=self.name)
         return 0
+
+    def _forget_ahead(self) -> None:
+        """Drop what was read ahead and the acknowledgements owed: the entries stay pending, and
+        come back (claimed, or read again with our pending entries) to be folded, idempotently."""
+        self._ready, self._unread, self._settles = None, [], []
 
     def _group_vanished(self) -> None:
         """Say loudly what was lost when the group disappeared (flushed, evicted, deleted)."""
@@ -238,39 +231,68 @@ class Coordinator:
     def _overlapped(self) -> BatchResult:
         """One batch, its commit overlapped with planning the next (one Redis, no WAIT).
 
-        The next read goes out ahead of this batch's commit in one write: Redis answers it, then
-        runs the commit while this process decodes and plans what it read. Then the commit's
-        replies are taken and the batch finished (compare-and-set path, dispatch, follow-ups,
-        acknowledgement) before anything of the next batch is sent; so an entry is acknowledged
-        only after its commit, and a workflow of both batches is planned only once this one's
+        Each batch's commit goes out in one write with a read behind it, and the next batch, read
+        by the write before, is decoded and planned while Redis runs the commit; by the time this
+        batch is finished the read behind it is answered, so this process never waits for a read
+        while there is work. The acknowledgement of a finished batch rides with the next write
+        (or goes at once when nothing else is in hand). So an entry is acknowledged only after its
+        commit and its follow-ups, and a workflow of both batches is planned only once this one's
         outcome is known (`held`). The next batch waits, read and planned, for the next call.
         """
         batch, self._ready = self._ready, None
         if batch is None:
-            entries = self._read(">")
+            entries, self._unread = self._unread, []
             if not entries:
-                return BatchResult()
+                self._settle_now()  # nothing to commit: what is owed goes out before waiting
+                entries = self._read(">")
+                if not entries:
+                    return BatchResult()
             batch = self._prepare(entries, redelivered=False)
         self._plan_held(batch)
         k = self.keys
-        ahead = ("XREADGROUP", "GROUP", k.group, self.name, "COUNT", self.settings.batch, "STREAMS", k.events, ">")
-        reply, flight = self.store.record_ahead(ahead, batch.planned, batch.now)
+        read = ("XREADGROUP", "GROUP", k.group, self.name, "COUNT", self.settings.batch, "STREAMS", k.events, ">")
+        following, self._unread = self._unread, []
+        # Nothing read yet to plan beside this commit (a burst starts): read it ahead of the commit.
+        ahead = None if following else read
+        settles, self._settles = self._settles, []
+        reply, flight = self.store.record_ahead(ahead, batch.planned, batch.now, [read, *settles])
         try:
-            following = _entries(reply)
-            upcoming = self._prepare(following, redelivered=False, held=frozenset(batch.groups)) if following else None
-        finally:
-            outcomes = self.store.collect(flight)
-        result = self._finish(batch, outcomes)
+            try:
+                if ahead is not None:
+                    following = _entries(reply)
+                held = frozenset(batch.groups)
+                upcoming = self._prepare(following, redelivered=False, held=held) if following else None
+            finally:
+                outcomes = self.store.collect(flight)
+            result = self._finish(batch, outcomes, defer=True)
+        except BaseException:
+            self.store.discard(flight)  # the replies behind are not read: the connection goes
+            raise
+        self._unread = _entries(self.store.read_trail(flight)[0])
         self._ready = upcoming
+        if upcoming is None and not self._unread:
+            self._settle_now()
         return result
 
+    def _settle_now(self) -> None:
+        """Send the acknowledgements (and outbox clean-ups) deferred to the next write, now."""
+        settles, self._settles = self._settles, []
+        if settles:
+            self.store.settle_commands_now(settles)
+
     def drain(self) -> BatchResult:
-        """Finish the batch read ahead, if there is one (before a claim, and when stopping)."""
+        """Finish what was read ahead, if anything (before a claim, and when stopping)."""
         batch, self._ready = self._ready, None
-        if batch is None:
-            return BatchResult()
-        self._plan_held(batch)
-        return self._finish(batch, self.store.record_steps(batch.planned, batch.now) if batch.planned else {})
+        unread, self._unread = self._unread, []
+        result = BatchResult()
+        if batch is not None:
+            self._plan_held(batch)
+            result = self._finish(batch, self.store.record_steps(batch.planned, batch.now) if batch.planned else {})
+        self._settle_now()
+        if unread:
+            more = self.process(unread, redelivered=False)
+            result.events += more.events
+        return result
 
     def _read(self, start: str) -> list[Entry]:
         block = None if start == "0" else self.settings.block_ms
@@ -312,9 +334,7 @@ class Coordinator:
         started, now = time.perf_counter(), time.time()
         groups, dead = self._decode(entries)
         batch = Batch(entries, redelivered, started, now, groups, dead, tracing.event_traces(groups))
-        batch.announced = {
-            w for w, items in groups.items() if any(isinstance(e.data, StepStarted) for e, _ in items)
-        }
+        batch.announced = {e.workflow for items in groups.values() for e, _ in items if type(e.data) is StepStarted}
         batch.held = held & groups.keys()
         batch.planned = self._plan_fresh(groups, now, batch.held)
         return batch
@@ -324,8 +344,11 @@ class Coordinator:
             batch.planned.update(self._plan_fresh({w: batch.groups[w] for w in batch.held}, batch.now, frozenset()))
             batch.held = frozenset()
 
-    def _finish(self, batch: Batch, outcomes: dict[str, Recorded | None]) -> BatchResult:
-        """Everything after the fast path's commit: the compare-and-set path, dispatch, follow-ups, ack."""
+    def _finish(self, batch: Batch, outcomes: dict[str, Recorded | None], *, defer: bool = False) -> BatchResult:
+        """Everything after the fast path's commit: the compare-and-set path, dispatch, follow-ups, ack.
+
+        `defer`: the acknowledgement is kept for the next write (`_settles`) instead of sent now.
+        """
         entries, redelivered, now, groups, dead = batch.entries, batch.redelivered, batch.now, batch.groups, batch.dead
         result = BatchResult(events=len(entries))
         traces, announced = batch.traces, batch.announced
@@ -356,7 +379,11 @@ class Coordinator:
         items += [gone_item(w) for w in groups if w not in folded and w not in contended]
         self.store.follow_up(items, committed, dead)
         unacked = {e.id for items_ in contended.values() for e, _ in items_}
-        self.store.settle(committed, [i for i, _ in entries if i.decode() not in unacked])
+        ack = [i for i, _ in entries if i.decode() not in unacked] if unacked else [i for i, _ in entries]
+        if defer:
+            self._settles += self.store.settle_commands(committed, ack)
+        else:
+            self.store.settle(committed, ack)
         result.conflicts, result.dead = conflicts, len(dead)
         for view in committed:
             result.statuses[view.workflow] = view.state.status
@@ -474,12 +501,13 @@ class Coordinator:
 
     def _take_recorded(self, batch: Batch, outcomes: dict[str, Recorded | None]) -> dict[str, Recorded]:
         """What the fast path recorded, per workflow, taken out of the batch's groups."""
-        recorded = {}
-        for workflow, outcome in outcomes.items():
-            if outcome is not None:
-                del batch.groups[workflow]
-                recorded[workflow] = outcome
-                self._remember_steps(workflow, batch.planned[workflow][0] + outcome.steps)
+        recorded = {w: outcome for w, outcome in outcomes.items() if outcome is not None}
+        groups, planned, counts = batch.groups, batch.planned, self._step_counts
+        if len(counts) + len(recorded) > STEP_COUNT_CACHE:
+            counts.clear()  # a guess, not a fact: losing it costs one compare-and-set
+        for workflow, outcome in recorded.items():
+            del groups[workflow]
+            counts[workflow] = planned[workflow][0] + outcome.steps
         return recorded
 
     def _remember_steps(self, workflow: str, count: int | None) -> None:

@@ -531,15 +531,14 @@ class Machine:
             return
         if isinstance(data, CompensationSucceeded):
             comp.status = "succeeded"
-            comp.attempts += 1
-            comp.spent += 1
+            _count_attempt(comp, data)
             comp.last_error = None
             view.put(comp, now)
             view.note("compensation-succeeded", now, data.step, **detail)
             self._outcome(view, "compensation-succeeded", now, comp.step)
             return
         # Failures and refusals only count for the current dispatch, once per attempt.
-        if data.dispatch != comp.dispatch or data.attempt <= comp.attempt:
+        if not _new_attempt(comp, data):
             return
         self._revoke(view, comp, now)  # the slip's worker stopped here: what it carried is decided anew
         comp.attempt = data.attempt
@@ -583,7 +582,8 @@ class Machine:
             return  # its step-completed arrived first and settled it
         if isinstance(data, RecallSucceeded):
             if data.result.get("isError"):
-                comp.status, comp.attempts, comp.spent = "skipped", comp.attempts + 1, comp.spent + 1
+                comp.status = "skipped"
+                _count_attempt(comp, data)
                 text = result_text(data.result, " ") or "no text"
                 comp.reason = cut_text(
                     f"in doubt, and calling it again with its forward key returned an error: nothing to undo ({text})",
@@ -608,7 +608,7 @@ class Machine:
             view.log += entries
             view.note("recall-succeeded", now, comp.step, plan=new.status, reason=new.reason, **detail)
             return
-        if data.dispatch != comp.dispatch or data.attempt <= comp.attempt:
+        if not _new_attempt(comp, data):
             return
         comp.attempt, comp.attempts, comp.spent, comp.heard_at = data.attempt, comp.attempts + 1, comp.spent + 1, now
         comp.last_error = cut_text(f"recall: {data.error}", TEXT_MAX)
@@ -818,6 +818,22 @@ class Machine:
         view.outcomes.append(
             Outcome(type=kind, workflow=view.workflow, at=now, step=step, status=status, reason=reason)
         )
+
+
+def _new_attempt(comp: Compensation, data: Report) -> bool:
+    """Whether a report speaks of an attempt not yet counted: the current dispatch's, after the
+    last one heard. A superseded dispatch's attempts were counted while it was current, or are
+    charged by the watchdog that gave up on it; counting them again would spend the budget twice.
+    """
+    return data.dispatch == comp.dispatch and data.attempt > comp.attempt
+
+
+def _count_attempt(comp: Compensation, data: Report) -> None:
+    """A report that settles the step counts its attempt once: a success from a superseded
+    dispatch still settles it (the effect is undone), but its attempt may be one already counted.
+    """
+    if _new_attempt(comp, data):
+        comp.attempt, comp.attempts, comp.spent = data.attempt, comp.attempts + 1, comp.spent + 1
 
 
 def _spread(comp: Compensation) -> float:

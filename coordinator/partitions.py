@@ -17,7 +17,8 @@ from __future__ import annotations
 import signal
 import threading
 
-from mcp_saga.coordinator.consumer import Coordinator, tune_gc
+from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.runtime.collector import tune_gc
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.schemas.config import Config, ConfigError
 from redis import Redis

@@ -8,20 +8,28 @@ never calls with partial or default arguments (SEP-3172 4.2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 from mcp_saga.schemas.config import Policy
 from mcp_saga.schemas.events import StepCompleted, StepStarted
-from mcp_saga.schemas.expressions import ExpressionError, UnresolvableError, referenced_pointers, resolve_parameters
+from mcp_saga.schemas.expressions import (
+    ExpressionError,
+    Resolver,
+    UnresolvableError,
+    compile_parameters,
+    referenced_pointers,
+)
 from mcp_saga.schemas.records import Compensation, idempotency_key
 from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(NamedTuple):
+    """A NamedTuple, not a frozen dataclass: one is made per recorded step, and the dataclass's
+    `__init__` (object.__setattr__ per field) cost more than the rest of the wrapper."""
+
     compensation: Compensation
     # Things the timeline should say beside the plan (e.g. an overlay overriding the server).
     notes: tuple[str, ...] = ()
@@ -66,7 +74,7 @@ def plan_step(
     if refusal is not None:
         return Plan(_mark(base, "unrecoverable", refusal, source), tuple(notes))
     try:
-        base.arguments = resolve_parameters(operation.parameters, arguments=step.arguments, result=step.result)
+        base.arguments = _resolver(recovery)(step.arguments, step.result)
     except UnresolvableError as exc:
         return Plan(_mark(base, "unrecoverable", f"recovery unavailable: {exc}", source), tuple(notes))
     base.idempotency_key = idempotency_key(workflow, step.step, operation.operation_id)
@@ -163,6 +171,23 @@ def _declaration(data: dict) -> Recovery | RecoveryError:
             found = exc
         _declarations[key] = found
     return found
+
+
+# id of a declaration -> (the declaration, its compiled bindings); the declaration is kept so that its id
+# is not reused while the entry lives. Declarations come from `_declarations` or the config's overlays.
+_resolvers: dict[int, tuple[Recovery, Resolver]] = {}
+
+
+def _resolver(recovery: Recovery) -> Resolver:
+    """The declaration's bindings compiled once (see `compile_parameters`), not once per step."""
+    found = _resolvers.get(id(recovery))
+    if found is None or found[0] is not recovery:
+        if len(_resolvers) >= 4096:
+            _resolvers.clear()
+        operation = recovery.compensating_operation
+        assert operation is not None  # only a supported declaration is resolved
+        found = _resolvers[id(recovery)] = (recovery, compile_parameters(operation.parameters))
+    return found[1]
 
 
 def _mark(comp: Compensation, status: str, reason: str, source: str | None) -> Compensation:

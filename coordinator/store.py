@@ -30,6 +30,12 @@ from rq import Queue
 from rq.job import Job
 
 LOG_MAXLEN = 10_000
+# Workflows whose keys `Store._packed_record` keeps packed (cleared when full: a cache, not a fact).
+PACKED_KEYS_CACHE = 20_000
+# A step's three arguments to record_steps.lua (id, record, raw step) as bulk strings, in one format.
+STEP_BULKS = b"$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+# A workflow's arguments with one step and no timeline entry: expected count, 1, 0, then the step.
+ONE_STEP_BULKS = b"$%d\r\n%s\r\n$1\r\n1\r\n$1\r\n0\r\n" + STEP_BULKS
 # record_steps.lua leaves a running workflow's TTL alone while more than its idle TTL is left, and
 # gives it the TTL plus this fraction of it when it renews: one EXPIRE per key in that many steps.
 TTL_SLACK_PARTS = 1000
@@ -42,12 +48,14 @@ StepBatches = dict[str, tuple[int, list[tuple[Compensation, bytes, list[Timeline
 
 
 class InFlight(NamedTuple):
-    """record_steps' calls sent by `Store.record_ahead`, their replies not read yet."""
+    """What `Store.record_ahead` sent and has not read the replies of yet: record_steps' call, if
+    any (`workflows` empty: none), then the commands of `trail`."""
 
     connection: Connection
     batches: StepBatches
     now: float
-    calls: list[tuple[list[str], list[str], list[Any]]]
+    workflows: list[str]
+    trail: tuple[str, ...]
 
 
 class Recorded(NamedTuple):
@@ -81,6 +89,39 @@ def flat_entries(entries: list[TimelineEntry]) -> list[str | bytes | int]:
     return args
 
 
+def _recorded(batches: StepBatches, workflows: list[str], reply: list[Any]) -> dict[str, Recorded | None]:
+    """record_steps.lua's flat reply: per workflow its version (negative: created) and createdAt."""
+    found: dict[str, Recorded | None] = {}
+    for n, workflow in enumerate(workflows):
+        version = reply[2 * n]
+        found[workflow] = (
+            Recorded(version < 0, len(batches[workflow][1]), abs(version), float(reply[2 * n + 1])) if version else None
+        )
+    return found
+
+
+def _read_entries(reply: Any) -> list[Any]:
+    """An XREADGROUP reply exactly as redis-py's own parsing gives it ([[stream, [(id, fields)]]]),
+    built here from the raw one (a map under RESP3, redis-py 8's default; a list under RESP2),
+    in one pass instead of redis-py's three layers of callbacks. A deleted entry's fields are {}."""
+    if not reply:
+        return []
+    streams = reply.items() if isinstance(reply, dict) else reply
+    return [
+        [name, [(None, None) if e is None else (e[0], dict(zip(f := iter(e[1] or ()), f, strict=False))) for e in got]]
+        for name, got in streams
+    ]
+
+
+def _bulks(values: Iterable[str | bytes | int | float]) -> bytes:
+    """Values as the protocol's bulk strings, encoded the way redis-py encodes arguments."""
+    out = []
+    for value in values:
+        data = value if isinstance(value, bytes) else (value if isinstance(value, str) else repr(value)).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
 def load_script(name: str) -> str:
     return resources.files(__package__).joinpath("lua", name).read_text()
 
@@ -108,6 +149,7 @@ class Store:
         self._record_steps = Lua(redis, load_script("record_steps.lua"))
         self._index = Lua(redis, load_script("index.lua"))
         self._forget = Lua(redis, load_script("forget.lua"))
+        self._packed_keys: dict[str, bytes] = {}
 
     def load(self, wanted: dict[str, tuple[bool, Iterable[str]]]) -> dict[str, WorkflowView]:
         """Load views: workflow -> (needs every record?, step ids the batch names).
@@ -199,90 +241,148 @@ class Store:
         groups = self._record_calls(batches, now)
         for _, keys, args in groups:  # each call's keys are in one slot
             self._record_steps(keys=keys, args=args, client=writes.pipe(keys[0]))
-        return self._recorded(batches, groups, writes.execute("coordinator steps"))
+        replies = writes.execute("coordinator steps")
+        found: dict[str, Recorded | None] = {}
+        for (workflows, _, _), reply in zip(groups, replies, strict=True):
+            found |= _recorded(batches, workflows, reply)
+        return found
 
     def _record_calls(self, batches: StepBatches, now: float) -> list[tuple[list[str], list[str], list[Any]]]:
         """record_steps.lua's calls: (workflows, keys, args), one per slot (on one Redis: one for the batch)."""
         slots: dict[int, list[str]] = {}
         for workflow in batches:
             slots.setdefault(key_slot(self.keys.state(workflow)) if self.cluster else 0, []).append(workflow)
-        ttl = self.settings.idle_ttl
         calls = []
         for workflows in slots.values():
             keys: list[str] = []
-            args: list[Any] = [f"{now:.6f}", ttl, ttl // TTL_SLACK_PARTS, LOG_MAXLEN]
+            args: list[Any] = self._record_head(now)
             for workflow in workflows:
                 expected, steps = batches[workflow]
                 keys += self.keys.workflow_keys(workflow)
-                args += (expected, len(steps))
-                for comp, raw, entries in steps:
-                    args += (comp.step, comp_encoder.encode(comp), raw, len(entries))
-                    if entries:
-                        args += flat_entries(entries)
+                entries = [entry for _, _, logged in steps for entry in logged]
+                args += (expected, len(steps), len(entries))
+                for comp, raw, _ in steps:
+                    args += (comp.step, comp_encoder.encode(comp), raw)
+                args += flat_entries(entries)
             calls.append((workflows, keys, args))
         return calls
 
-    @staticmethod
-    def _recorded(
-        batches: StepBatches, calls: list[tuple[list[str], list[str], list[Any]]], replies: list[Any]
-    ) -> dict[str, Recorded | None]:
-        found: dict[str, Recorded | None] = {}
-        for (workflows, _, _), reply in zip(calls, replies, strict=True):
-            for workflow, one in zip(workflows, reply, strict=True):
-                count = len(batches[workflow][1])
-                found[workflow] = Recorded(bool(one[1]), count, int(one[2]), float(one[3])) if one[0] else None
-        return found
+    def _record_head(self, now: float) -> list[Any]:
+        ttl = self.settings.idle_ttl
+        return [f"{now:.6f}", ttl, ttl // TTL_SLACK_PARTS, LOG_MAXLEN]
+
+    def _packed_record(self, batches: StepBatches, now: float) -> bytes:
+        """The one EVALSHA of `_record_calls` on one Redis, written in the protocol directly.
+
+        The same command, byte for byte (a test holds the two together), without a list of
+        arguments for redis-py to pack one by one: packing cost the coordinator more than
+        encoding the records did. Each workflow's keys are packed once and kept.
+        """
+        keys: list[bytes] = []
+        args: list[bytes] = [_bulks(self._record_head(now))]
+        count = 4
+        for workflow, (expected, steps) in batches.items():
+            packed = self._packed_keys.get(workflow)
+            if packed is None:
+                if len(self._packed_keys) >= PACKED_KEYS_CACHE:
+                    self._packed_keys.clear()
+                packed = self._packed_keys[workflow] = _bulks(self.keys.workflow_keys(workflow))
+            keys.append(packed)
+            logged = [entry for _, _, entries in steps for entry in entries]
+            count += 3 + 3 * len(steps)
+            if len(steps) == 1 and not logged:  # the common case: the workflow's arguments in one format
+                comp, raw, _ = steps[0]
+                step, record, seen = comp.step.encode(), comp_encoder.encode(comp), b"%d" % expected
+                args.append(ONE_STEP_BULKS % (len(seen), seen, len(step), step, len(record), record, len(raw), raw))
+                continue
+            args.append(_bulks((expected, len(steps), len(logged))))
+            for comp, raw, _ in steps:
+                step, record = comp.step.encode(), comp_encoder.encode(comp)
+                args.append(STEP_BULKS % (len(step), step, len(record), record, len(raw), raw))
+            if logged:
+                flat = flat_entries(logged)
+                args.append(_bulks(flat))
+                count += len(flat)
+        nkeys = 5 * len(keys)
+        head = _bulks(("EVALSHA", self._record_steps.sha, nkeys))
+        return b"*%d\r\n%s%s%s" % (3 + nkeys + count, head, b"".join(keys), b"".join(args))
 
     @property
     def overlaps(self) -> bool:
         """Whether `record_ahead` may be used: one Redis, and no WAIT to append to the commit."""
         return not self.cluster and self.durability is None
 
-    def record_ahead(self, ahead: tuple[Any, ...], batches: StepBatches, now: float) -> tuple[Any, InFlight]:
-        """Send the command `ahead` and then `record_steps`' calls in one write, on a connection of
-        their own; return `ahead`'s reply as soon as it is read, and the recording to `collect`.
+    def record_ahead(
+        self, ahead: tuple[Any, ...] | None, batches: StepBatches, now: float, trail: list[tuple[Any, ...]] = ()
+    ) -> tuple[Any, InFlight]:
+        """Send the command `ahead`, then `record_steps`' call, then the commands of `trail`, in one
+        write on a connection of their own; return `ahead`'s reply as soon as it is read (None
+        without one), and the rest to `collect` and `read_trail`.
 
-        The coordinator sends the next read ahead of a batch's commit: Redis answers it first and
-        then runs the scripts, while the coordinator plans the batch it just read.
+        The coordinator sends a read ahead of a batch's commit, or behind it: Redis runs the
+        script while the coordinator plans the batch it read before, and the read behind it is
+        answered by the time the batch is finished (see Coordinator._overlapped).
         """
-        calls = self._record_calls(batches, now) if batches else []
-        sha = self._record_steps.sha
         pool = self.redis.connection_pool
         connection = pool.get_connection()
         try:
-            commands = [ahead, *(("EVALSHA", sha, len(keys), *keys, *args) for _, keys, args in calls)]
-            connection.send_packed_command(connection.pack_commands(commands))
-            reply = self.redis.parse_response(connection, str(ahead[0]))
+            commands = [] if ahead is None else [ahead]
+            packed = connection.pack_commands(commands) if commands else []
+            if batches:
+                packed.append(self._packed_record(batches, now))
+            if trail:
+                packed += connection.pack_commands(trail)
+            connection.send_packed_command(packed)
+            reply = None if ahead is None else self.redis.parse_response(connection, str(ahead[0]))
         except BaseException:
             connection.disconnect()
             pool.release(connection)
             raise
-        return reply, InFlight(connection, batches, now, calls)
+        return reply, InFlight(connection, batches, now, list(batches), tuple(str(c[0]) for c in trail))
 
     def collect(self, flight: InFlight) -> dict[str, Recorded | None]:
-        """The replies of what `record_ahead` sent; a script Redis did not have is loaded and run again."""
-        pool = self.redis.connection_pool
-        replies: list[Any] = []
-        missing = False
+        """The reply of what `record_ahead` sent; a script Redis did not have is loaded and run again.
+
+        The connection stays taken while `trail` replies are still to be read (`read_trail`).
+        """
+        if not flight.batches:
+            if not flight.trail:
+                self.redis.connection_pool.release(flight.connection)
+            return {}
         try:
-            for _ in flight.calls:
-                try:
-                    replies.append(flight.connection.read_response())
-                except NoScriptError:  # a restart or SCRIPT FLUSH: the synchronous path loads it
-                    replies.append(None)
-                    missing = True
+            reply = flight.connection.read_response()
+        except NoScriptError:  # a restart or SCRIPT FLUSH: the synchronous path loads it
+            outcomes = self.record_steps(flight.batches, flight.now)
+            if not flight.trail:
+                self.redis.connection_pool.release(flight.connection)
+            return outcomes
+        except BaseException:
+            self.discard(flight)
+            raise
+        if not flight.trail:
+            self.redis.connection_pool.release(flight.connection)
+        return _recorded(flight.batches, flight.workflows, reply)
+
+    def discard(self, flight: InFlight) -> None:
+        """Give up on the replies `record_ahead` sent for: its connection is closed and returned."""
+        flight.connection.disconnect()
+        self.redis.connection_pool.release(flight.connection)
+
+    def read_trail(self, flight: InFlight) -> list[Any]:
+        """The replies of `record_ahead`'s trail, each parsed as its command's; an error reply raises."""
+        pool = self.redis.connection_pool
+        try:
+            return [
+                _read_entries(flight.connection.read_response())
+                if name == "XREADGROUP"
+                else self.redis.parse_response(flight.connection, name)
+                for name in flight.trail
+            ]
         except BaseException:
             flight.connection.disconnect()
             raise
         finally:
             pool.release(flight.connection)
-        if missing:
-            done = [(call, r) for call, r in zip(flight.calls, replies, strict=True) if r is not None]
-            found = self._recorded(flight.batches, [c for c, _ in done], [r for _, r in done])
-            lost = [ws for (ws, _, _), r in zip(flight.calls, replies, strict=True) if r is None]
-            again = {w: flight.batches[w] for ws in lost for w in ws}
-            return found | self.record_steps(again, flight.now)
-        return self._recorded(flight.batches, flight.calls, replies)
 
     def follow_up(self, items: list[IndexItem], views: list[WorkflowView], dead: list[DeadEntry]) -> None:
         """What lives outside the workflows' slots: indexes and deadlines, outcomes, dead letters.
@@ -317,16 +417,30 @@ class Store:
 
     def settle(self, views: list[WorkflowView], ack: list[bytes]) -> None:
         """After `follow_up` succeeded: empty the outboxes it wrote out, and acknowledge the entries."""
+        self.settle_commands_now(self.settle_commands(views, ack))
+
+    def settle_commands_now(self, commands: list[tuple[Any, ...]]) -> None:
+        """Send what `settle_commands` returned, in one round trip; raises on an error reply."""
+        if not commands:
+            return
         pipe = self.redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, Exception):
+                raise reply
+
+    def settle_commands(self, views: list[WorkflowView], ack: list[bytes]) -> list[tuple[Any, ...]]:
+        """What `settle` sends, for a caller that sends it later, with its next write."""
+        commands: list[tuple[Any, ...]] = []
         for view in views:
             for raw in view.outbox:
-                pipe.lrem(self.keys.outbox(view.workflow), 1, raw)  # by value: a second writer removes nothing
+                commands.append(
+                    ("LREM", self.keys.outbox(view.workflow), 1, raw)
+                )  # by value: a second writer removes nothing
         if ack:
-            pipe.xack(self.keys.events, self.keys.group, *ack)
-        if len(pipe):
-            for reply in pipe.execute(raise_on_error=False):
-                if isinstance(reply, Exception):
-                    raise reply
+            commands.append(("XACK", self.keys.events, self.keys.group, *ack))
+        return commands
 
     def due(self, now: float, limit: int = 100) -> list[str]:
         return [w.decode() for w in self.redis.zrangebyscore(self.keys.deadlines, "-inf", now, start=0, num=limit)]

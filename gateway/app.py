@@ -23,9 +23,11 @@ from mcp.server.transport_security import TransportSecurityMiddleware, Transport
 from mcp_saga.gateway.passthrough import PassThrough, Upstreams
 from mcp_saga.gateway.proxy import Gateway
 from mcp_saga.gateway.recorder import Recorder
+from mcp_saga.runtime.collector import tune_gc
 from mcp_saga.runtime.connect import connect_async
 from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.pipelined import REPLY_TIMEOUT, pipelined_for
 from mcp_saga.schemas.config import Config, ConfigError, RedisSettings
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
@@ -83,12 +85,16 @@ def connect_redis(url: str, settings: RedisSettings | None = None) -> aioredis.R
 
 
 def recorder_for(config: Config, url: str) -> Recorder:
+    durability = Durability.of(config.redis)
+    # A reply later than this closes the pipelined connection (a stopped Redis): WAIT may take its timeout.
+    reply_timeout = REPLY_TIMEOUT + (durability.timeout_ms / 1000 if durability is not None else 0.0)
     return Recorder(
         connect_redis(url, config.redis),
         config.prefix,
         retry_for=config.gateway.publish_retry_for,
         partitions=config.redis.partitions,
-        durability=Durability.of(config.redis),
+        durability=durability,
+        pipe=pipelined_for(url, config.redis, reply_timeout=reply_timeout),
     )
 
 
@@ -110,6 +116,8 @@ async def running(gateway: Gateway) -> AsyncIterator[None]:
             await gateway.recorder.flush(workflow)
         await gateway.sessions.aclose()
         await gateway.recorder.publisher.redis.aclose()
+        if gateway.recorder.publisher.pipe is not None:
+            await gateway.recorder.publisher.pipe.aclose()
 
 
 async def _warm(gateway: Gateway) -> None:
@@ -189,6 +197,43 @@ class _Direct:
         await (endpoint or self.app)(scope, receive, send)
 
 
+class _Coalescing:
+    """A connection's transport whose writes of one event-loop step go out as one: uvicorn writes a
+    response's head and its body separately, two segments that wake the client twice; held until
+    the loop's next step, they leave in one write (nothing waits longer than that step)."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._held:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._held.append(data)
+
+    def _flush(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def _http_protocol() -> type[asyncio.Protocol]:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class Protocol(HttpToolsProtocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(_Coalescing(transport))  # type: ignore[arg-type]
+
+    return Protocol
+
+
 def serve_http(config: Config, redis_url: str, *, host: str | None = None, port: int | None = None) -> int:
     import uvicorn
 
@@ -196,6 +241,7 @@ def serve_http(config: Config, redis_url: str, *, host: str | None = None, port:
         raise ConfigError("the gateway needs a config naming the MCP servers it fronts ([servers.NAME])")
     token = gateway_token(config)
     app, _ = http_app(config, redis_url, token)
+    tune_gc()
     settings = config.gateway
     uvicorn.Server(
         uvicorn.Config(
@@ -205,8 +251,8 @@ def serve_http(config: Config, redis_url: str, *, host: str | None = None, port:
             log_level="warning",
             lifespan="on",
             # Per-request work the gateway has no use for: it never reads the client's address, and
-            # logs what it records itself.
-            http="httptools",
+            # logs what it records itself. uvicorn's httptools protocol, its writes coalesced (`_Coalescing`).
+            http=_http_protocol(),
             # Named, never "auto" (which picks uvloop whenever it happens to be installed).
             loop=settings.loop,
             proxy_headers=False,

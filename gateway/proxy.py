@@ -111,6 +111,7 @@ class Gateway:
         self._steps = 0
         self._declared: dict[str, dict[str, Any]] = {name: {} for name in config.servers}
         self._schemas: dict[str, dict[str, Any]] = {name: {} for name in config.servers}
+        self._worked_out: dict[tuple[str, str], tuple[Any, tuple[Any, dict[str, Any] | None]]] = {}
         self._downstream: dict[str, weakref.WeakKeyDictionary[Any, Any]] = {
             name: weakref.WeakKeyDictionary() for name in config.servers
         }
@@ -306,7 +307,7 @@ class Gateway:
         """(recovery, annotations) as the step's events carry them: the overlay first, else the live listing."""
         recovery, annotations = self._recovery(name, tool), None
         try:
-            declaration = (await self.sessions.tools(name)).get(tool)
+            listing = await self.sessions.tools(name)
         except SessionError as exc:  # the call committed: record it, with the overlay if there is one
             log.warning(
                 "tools/list failed; step recorded without the live declaration",
@@ -314,7 +315,12 @@ class Gateway:
                 step=step,
                 error=str(exc),
             )
-            declaration = None
+            return recovery, annotations
+        # Worked out once per tool and listing (a refreshed listing is a new dict): twice per call otherwise.
+        known = self._worked_out.get((name, tool))
+        if known is not None and known[0] is listing:
+            return known[1]
+        declaration = listing.get(tool)
         if declaration is not None:
             self._schemas[name].setdefault(tool, declaration.input_schema)
             if recovery is None:
@@ -322,6 +328,8 @@ class Gateway:
                 if recovery is not None and not isinstance(recovery, dict):
                     recovery = {"declared": recovery}  # kept visible; the coordinator plans it as unrecoverable
             annotations = {k: v for k, v in declaration.annotations.items() if k != "recovery"} or None
+            # Only tools of the listing: a name the client made up must not grow this.
+            self._worked_out[name, tool] = (listing, (recovery, annotations))
         return recovery, annotations
 
     async def _lifecycle(self, ctx: ServerRequestContext[Any, Any], params: Any) -> Any:

@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from mcp_saga.runtime.durability import Durability
 from mcp_saga.runtime.logs import get_logger
+from mcp_saga.runtime.pipelined import Pipelined, xadd_args
 from mcp_saga.runtime.publish import AsyncPublisher, workflow_failed
 from mcp_saga.schemas.events import WorkflowCompleted
 
@@ -43,7 +44,7 @@ class _Workflow:
     steps: int = 0
     ended: bool = False
     last_seen: float = field(default_factory=time.monotonic)
-    tail: asyncio.Task[None] | None = None
+    tail: asyncio.Future[None] | None = None  # settled once the workflow's last queued event is written (or lost)
     lost: str | None = None  # the step that could not be written, and why
 
 
@@ -58,8 +59,13 @@ class Recorder:
         retry_for: float = 10.0,
         partitions: int = 1,
         durability: Durability | None = None,
+        pipe: Pipelined | None = None,
     ) -> None:
-        self.publisher = AsyncPublisher(redis, prefix, partitions, durability=durability)
+        """`pipe`: the pipelined connection the events go over (runtime/pipelined.py), when the Redis is
+        one it can serve; `redis` then only answers what `pipe` does not carry."""
+        self.publisher = AsyncPublisher(redis, prefix, partitions, durability=durability, pipe=pipe)
+        self._pipe = pipe
+        self._writer: Any = pipe if pipe is not None else redis
         self.retry_for = retry_for
         self.workflows: dict[str, _Workflow] = {}
         self._healthy = True
@@ -97,7 +103,7 @@ class Recorder:
 
     async def ping(self) -> bool:
         try:
-            await asyncio.wait_for(self.publisher.redis.ping(), PING_TIMEOUT)
+            await asyncio.wait_for(self._writer.ping(), PING_TIMEOUT)
         except Exception:
             self._healthy = False
             return False
@@ -116,7 +122,7 @@ class Recorder:
             log.warning("intent over the event cap; the call goes unannounced", workflow=workflow, step=step)
             return
         try:
-            await self.publisher.redis.xadd(self.publisher.stream_for(workflow), fields)  # type: ignore[arg-type]
+            await self._writer.xadd(self.publisher.stream_for(workflow), fields)
         except Exception as exc:
             self._healthy = False
             raise NotRecordable(
@@ -151,7 +157,51 @@ class Recorder:
         whose entry cannot be built (`ValueError`: it cannot be recorded at all) poisons the workflow."""
         state = self._state(workflow)
         state.steps += counted
-        state.tail = asyncio.create_task(self._write(workflow, step, fields, state.tail, after))
+        previous = state.tail
+        if self._pipe is None or self.publisher.durability is not None or not (previous is None or previous.done()):
+            state.tail = asyncio.create_task(self._write(workflow, step, fields, previous, after))
+            return
+        # Nothing of the workflow's is in flight: no task, the write goes out from a callback once `after` is done
+        # (its reply settles `tail`), and only a failed write starts the retrying task.
+        state.tail = tail = asyncio.get_running_loop().create_future()
+        if after is None or after.done():
+            self._write_now(workflow, step, fields, tail)
+        else:
+            after.add_done_callback(lambda _: self._write_now(workflow, step, fields, tail))
+
+    def _write_now(
+        self, workflow: str, step: str, fields: Entry | Callable[[], Entry], tail: asyncio.Future[None]
+    ) -> None:
+        assert self._pipe is not None
+        try:
+            entry = fields() if callable(fields) else fields
+        except Exception as exc:  # a callback's error would reach nobody: the step is lost, and says why
+            self._unbuildable(workflow, step, exc)
+            tail.set_result(None)
+            return
+        sent = self._pipe.send_now(*xadd_args(self.publisher.stream_for(workflow), entry))
+
+        def retry() -> None:
+            task = asyncio.create_task(self._write(workflow, step, entry, None, None))
+            task.add_done_callback(lambda _: tail.set_result(None))
+
+        def replied(reply: asyncio.Future[Any]) -> None:
+            error = reply.exception() if not reply.cancelled() else asyncio.CancelledError()
+            if error is None:
+                self._healthy = True
+                tail.set_result(None)
+            else:
+                log.warning("step not written yet; retrying", workflow=workflow, step=step, error=repr(error))
+                retry()
+
+        if sent is None:  # not connected: the task connects (and retries)
+            retry()
+        else:
+            sent.add_done_callback(replied)
+
+    def _unbuildable(self, workflow: str, step: str, exc: Exception) -> None:
+        self._state(workflow).lost = f"step {step!r}: {exc}"
+        log.error("step not recordable", workflow=workflow, step=step, error=str(exc))
 
     async def _write(
         self,
@@ -168,8 +218,7 @@ class Recorder:
             try:
                 fields = fields()
             except ValueError as exc:
-                self._state(workflow).lost = f"step {step!r}: {exc}"
-                log.error("step not recordable", workflow=workflow, step=step, error=str(exc))
+                self._unbuildable(workflow, step, exc)
                 return
         deadline, delay = time.monotonic() + self.retry_for, 0.05
         while True:

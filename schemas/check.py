@@ -36,7 +36,7 @@ from mcp_saga.schemas.expressions import (
     parse_value,
     referenced_pointers,
 )
-from mcp_saga.schemas.pointer import WILDCARD, PointerError, format_pointer, parse_pointer, resolve_pointer
+from mcp_saga.schemas.pointer import ARRAY_INDEX, WILDCARD, PointerError, format_pointer, parse_pointer, resolve_pointer
 from mcp_saga.schemas.recovery import Recovery, RecoveryError, parse_recovery
 
 Severity = Literal["error", "warning"]
@@ -44,7 +44,6 @@ Severity = Literal["error", "warning"]
 # Filled in by the worker from the compensation's stable key, never by the declaration.
 WORKER_FILLED = frozenset({"idempotencyKey", "idempotency_key"})
 
-_INDEX = re.compile(r"0|[1-9][0-9]*")
 _STRUCTURAL = ("type", "properties", "patternProperties", "additionalProperties", "items", "prefixItems")
 _COMBINATORS = ("anyOf", "oneOf", "allOf")
 
@@ -375,7 +374,7 @@ def _item(schema: dict[str, Any], token: str) -> tuple[str, Any]:
     if token == WILDCARD:  # the projection reads every item: those after any tuple prefix
         rest = schema.get("items")
         return "ok", True if rest is None or isinstance(rest, list) else rest
-    if not _INDEX.fullmatch(token):
+    if not ARRAY_INDEX.fullmatch(token):
         return "no", f"expects an array index, not {token!r},"
     index = int(token)
     prefix, rest = _list(schema, "prefixItems"), schema.get("items")

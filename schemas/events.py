@@ -279,12 +279,18 @@ class Event(Struct, frozen=True):
     repairs: tuple[str, ...] = ()
 
 
+# The entry fields every decode reads, as the bytes the stream reply names them with.
+_FIELD_NAMES = {"type": b"type", "workflow": b"workflow"}
+# Workflow ids already checked (each workflow sends many events); a bounded cache, cleared when full.
+_CHECKED_WORKFLOWS: set[str] = set()
+
+
 class InvalidEvent(ValueError):
     """An entry that breaks the wire contract; the message is the dead-letter reason."""
 
 
 def _text(fields: dict[bytes, bytes], name: str) -> str:
-    value = fields.get(name.encode())
+    value = fields.get(_FIELD_NAMES.get(name) or name.encode())
     if value is None:
         raise InvalidEvent(f"missing field {name!r}")
     try:
@@ -304,10 +310,14 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes], *, strict: bool = Fa
     if decoder is None:
         raise InvalidEvent(f"unknown event type {kind[:80]!r}")
     workflow = _text(fields, "workflow")
-    try:
-        check_workflow_id(workflow)
-    except ValueError as exc:
-        raise InvalidEvent(str(exc)) from None
+    if workflow not in _CHECKED_WORKFLOWS:
+        try:
+            check_workflow_id(workflow)
+        except ValueError as exc:
+            raise InvalidEvent(str(exc)) from None
+        if len(_CHECKED_WORKFLOWS) >= 10_000:
+            _CHECKED_WORKFLOWS.clear()
+        _CHECKED_WORKFLOWS.add(workflow)
     version = fields.get(b"v", b"1")
     if version != b"1":
         raise InvalidEvent(f"unsupported wire version {version[:20]!r} (this coordinator speaks v1)")

@@ -42,10 +42,19 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
-from mcp_saga.schemas.pointer import WILDCARD, PointerError, format_pointer, json_type, parse_pointer, resolve_pointer
+from mcp_saga.schemas.pointer import (
+    ARRAY_INDEX,
+    WILDCARD,
+    PointerError,
+    format_pointer,
+    json_type,
+    parse_pointer,
+    resolve_pointer,
+)
 from mcp_saga.schemas.results import text_blocks
 
 Kind = Literal["response.body", "request.body", "response.header"]
@@ -115,6 +124,8 @@ class Structure(msgspec.Struct, frozen=True):
 
 
 Binding = Constant | Expression | Template | Structure
+# The same four as a tuple: `isinstance` with the `|` expression would build three union objects per call.
+_BINDINGS = (Constant, Expression, Template, Structure)
 
 
 def parse_value(value: Any) -> Binding:
@@ -122,7 +133,7 @@ def parse_value(value: Any) -> Binding:
 
     An array or object without any expression inside stays one constant, exactly as declared.
     """
-    if isinstance(value, Constant | Expression | Template | Structure):
+    if isinstance(value, _BINDINGS):
         return value
     if isinstance(value, str):
         return _parse_text(value)
@@ -308,6 +319,127 @@ def resolve_parameters(
         except (UnresolvableError, ExpressionError) as exc:
             raise UnresolvableError(exc.expression, exc.reason, parameter=name) from None
     return resolved
+
+
+Resolver = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
+# What a compiled getter reads: the call's arguments, its result, and a one-slot cache of the body.
+_Getter = Callable[[dict[str, Any], dict[str, Any], list[Any]], Any]
+
+
+class _Fallback(Exception):
+    """A compiled getter met something other than the common case: resolve_parameters decides."""
+
+
+def compile_parameters(parameters: dict[str, Any]) -> Resolver:
+    """`resolve_parameters` for one declaration, prepared once: `resolver(arguments, result)`.
+
+    The coordinator plans every step of a tool with the same declaration, and reading the
+    declaration again for each step (parse, dispatch on the binding's shape, walk the pointer
+    through generic checks, parse the response body once per expression) was most of what a
+    recorded step cost it. The compiled form keeps only the walk over plain JSON objects and
+    arrays, and computes the body once per call. Whatever it does not expect (a key or index that
+    is missing, a failed call, a body from text, anything but a dict or list on the way) makes it
+    hand the whole set to `resolve_parameters`, so the result, and every error and its wording,
+    stays that function's.
+    """
+    try:
+        getters = [(name, _compile(parse_value(raw))) for name, raw in parameters.items()]
+    except ExpressionError:
+        getters = None
+
+    def resolve(arguments: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+        if getters is not None:
+            body: list[Any] = []
+            try:
+                return {name: get(arguments, result, body) for name, get in getters}
+            except _Fallback:
+                pass
+        return resolve_parameters(parameters, arguments=arguments, result=result)
+
+    return resolve
+
+
+def _compile(binding: Binding) -> _Getter:
+    if isinstance(binding, Constant):
+        value = binding.value
+        return lambda arguments, result, body: value
+    if isinstance(binding, Expression):
+        return _compile_expression(binding)
+    if isinstance(binding, Structure):
+        members = [_compile(member) for member in binding.members]
+        keys = binding.keys
+        if keys is None:
+            return lambda arguments, result, body: [get(arguments, result, body) for get in members]
+        pairs = list(zip(keys, members, strict=True))
+        return lambda arguments, result, body: {key: get(arguments, result, body) for key, get in pairs}
+    parts = [part if isinstance(part, str) else _compile_expression(part) for part in binding.parts]
+    return lambda arguments, result, body: "".join(
+        [part if type(part) is str else _render(part(arguments, result, body)) for part in parts]
+    )
+
+
+def _compile_expression(expr: Expression) -> _Getter:
+    if expr.kind == "response.header":
+        name = expr.name
+
+        def header(arguments: dict[str, Any], result: dict[str, Any], body: list[Any]) -> Any:
+            meta = result.get("_meta") if type(result) is dict else None
+            if type(meta) is not dict or name not in meta:
+                raise _Fallback
+            return meta[name]
+
+        return header
+    walk = _compile_pointer(expr.pointer)
+    if expr.kind == "request.body":
+        return lambda arguments, result, body: walk(arguments)
+
+    def response(arguments: dict[str, Any], result: dict[str, Any], body: list[Any]) -> Any:
+        if not body:
+            body.append(_plain_body(result))
+        return walk(body[0])
+
+    return response
+
+
+def _plain_body(result: dict[str, Any]) -> Any:
+    """`response_body` when it is the result's structured content; anything else falls back."""
+    if type(result) is not dict or result.get("isError"):
+        raise _Fallback
+    found = result.get("structuredContent")
+    if found is None:
+        raise _Fallback
+    return found
+
+
+def _compile_pointer(tokens: tuple[str, ...]) -> Callable[[Any], Any]:
+    """The walk of `select` for plain objects and arrays (with `*`: `select` itself)."""
+    if WILDCARD in tokens:
+
+        def project(doc: Any) -> Any:
+            try:
+                return select(doc, tokens)
+            except PointerError:
+                raise _Fallback from None
+
+        return project
+    # Per token, the index it names in an array (None: it names none, RFC 6901 section 4).
+    steps = [(token, int(token) if ARRAY_INDEX.fullmatch(token) else None) for token in tokens]
+
+    def walk(doc: Any) -> Any:
+        node = doc
+        for token, index in steps:
+            kind = type(node)
+            if kind is dict:
+                if token not in node:
+                    raise _Fallback
+                node = node[token]
+            elif kind is list and index is not None and index < len(node):
+                node = node[index]
+            else:
+                raise _Fallback
+        return node
+
+    return walk
 
 
 def referenced_pointers(parameters: dict[str, Any]) -> list[tuple[str, Kind, tuple[str, ...]]]:

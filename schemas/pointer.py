@@ -14,7 +14,7 @@ from typing import Any
 
 # RFC 6901 section 4: an array index is "0" or a decimal without leading zeros; "-" names the
 # (nonexistent) element after the last one and never resolves.
-_INDEX = re.compile(r"0|[1-9][0-9]*")
+ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
 _BAD_TILDE = re.compile(r"~(?![01])")
 # The array projection of our runtime expressions (schemas/expressions.py): never an RFC 6901 index.
 WILDCARD = "*"
@@ -75,7 +75,7 @@ def _index(token: str, length: int, path: tuple[str, ...]) -> int:
     """The array index a token names; the path (formatted only for an error) says where."""
     if token == "-":
         raise PointerError("'-' (past the last element) never resolves", format_pointer(path))
-    if not _INDEX.fullmatch(token):
+    if not ARRAY_INDEX.fullmatch(token):
         why = " (leading zero)" if token[:1] == "0" and token.isascii() and token.isdigit() else ""
         raise PointerError(f"{token!r} is not an array index{why}", format_pointer(path))
     index = int(token)

@@ -8,12 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from mcp_saga.schemas.expressions import (
+    CUT_META_KEY,
     Constant,
     Expression,
     ExpressionError,
     Structure,
     Template,
     UnresolvableError,
+    compile_parameters,
     keep_only,
     parse_value,
     referenced_pointers,
@@ -507,6 +509,87 @@ def test_an_unparsable_binding_makes_the_parameter_set_unresolvable() -> None:
         resolve_parameters({"ok": "fixed", "when": "$statusCode"}, arguments={}, result=CHARGE_RESULT)
     assert (caught.value.parameter, caught.value.expression) == ("when", "$statusCode")
     assert "no status code" in caught.value.reason
+
+
+# compile_parameters: resolve_parameters prepared once per declaration (the coordinator's fast path)
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.sampled_from(["", "a", "~/", "*", "0"]),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["a", "b", "0", "*", "~"]), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_POINTERS = st.lists(st.sampled_from(["a", "b", "0", "1", "01", "-", "*", "~0", "~1"]), max_size=3).map(
+    lambda tokens: "".join("/" + token for token in tokens)
+)
+_EXPRESSIONS = st.one_of(
+    _POINTERS.map(lambda p: f"$response.body#{p}"),
+    _POINTERS.map(lambda p: f"$request.body#{p}"),
+    st.just("$response.body"),
+    st.sampled_from(["$response.header.a", "$response.header.traceId", "$statusCode", "$response.body#a"]),
+)
+_BINDINGS = st.recursive(
+    _EXPRESSIONS | _EXPRESSIONS.map(lambda e: f"id {{{e}}}-{{{e}}}") | _JSON,
+    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.sampled_from(["x", "y"]), inner, max_size=2),
+    max_leaves=4,
+)
+_RESULTS = st.fixed_dictionaries(
+    {},
+    optional={
+        "structuredContent": _JSON,
+        "content": st.lists(
+            st.fixed_dictionaries({"type": st.sampled_from(["text", "image"]), "text": _JSON.map(json.dumps)}),
+            max_size=2,
+        ),
+        "isError": st.booleans(),
+        "_meta": st.dictionaries(st.sampled_from(["a", "traceId", CUT_META_KEY]), _JSON, max_size=2),
+    },
+)
+
+
+def _outcome(resolve: Any) -> Any:
+    try:
+        return "ok", resolve()
+    except UnresolvableError as exc:
+        return "unresolvable", str(exc), exc.parameter
+
+
+@given(st.dictionaries(st.sampled_from(["p", "q", "r"]), _BINDINGS, max_size=3), _JSON, _RESULTS)
+def test_a_compiled_declaration_resolves_exactly_as_resolve_parameters(
+    parameters: dict[str, Any], arguments: Any, result: dict[str, Any]
+) -> None:
+    compiled = compile_parameters(parameters)
+    expected = _outcome(lambda: resolve_parameters(parameters, arguments=arguments, result=result))
+    assert _outcome(lambda: compiled(arguments, result)) == expected
+
+
+def test_a_compiled_declaration_binds_the_reference_call() -> None:
+    parameters = {
+        "transactionId": "$response.body#/transactionId",
+        "sku": "$response.body#/items/0/sku",
+        "reason": "refund {$request.body#/orderId} ({$response.body#/amount})",
+        "receipt": "$response.header.com.example/receipt",
+        "all": ["$response.body#/items/*/qty", {"card": "$request.body#/card/last4"}],
+        "notify": False,
+    }
+    assert compile_parameters(parameters)(CHARGE_ARGUMENTS, CHARGE_RESULT) == {
+        "transactionId": "TXN-123",
+        "sku": "A",
+        "reason": "refund order-42 (59.97)",
+        "receipt": "R-9",
+        "all": [[2], {"card": "4242"}],
+        "notify": False,
+    }
+
+
+def test_a_compiled_declaration_reports_what_resolve_parameters_reports() -> None:
+    compiled = compile_parameters({"a": "$response.body#/transactionId", "b": "$response.body#/x"})
+    with pytest.raises(UnresolvableError) as caught:
+        compiled({}, CHARGE_RESULT)
+    assert str(caught.value) == "parameter 'b': `$response.body#/x`: key 'x' missing at /x"
+    with pytest.raises(UnresolvableError, match="no status code"):
+        compile_parameters({"when": "$statusCode"})({}, CHARGE_RESULT)
 
 
 # referenced_pointers

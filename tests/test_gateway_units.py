@@ -229,3 +229,38 @@ def test_an_intent_redis_refuses_refuses_the_call() -> None:
             await recorder.started("wf", "a", started_entry("wf", "a", "payments", "charge_payment", {}))
 
     asyncio.run(run())
+
+
+def test_the_http_side_sends_a_responses_writes_of_one_step_together() -> None:
+    """uvicorn writes a response's head and body apart; the gateway's transport sends them as one write."""
+    from mcp_saga.gateway.app import _Coalescing
+
+    class Transport:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+            self.closed = False
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def close(self) -> None:
+            self.closed = True
+
+        def get_extra_info(self, name: str) -> str:
+            return f"info:{name}"
+
+    async def run() -> Transport:
+        real = Transport()
+        transport = _Coalescing(real)  # type: ignore[arg-type]
+        transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        transport.write(b"body")
+        assert real.writes == []  # held until the loop's next step
+        await asyncio.sleep(0)
+        assert real.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody"]
+        transport.write(b"last words")
+        transport.close()  # what was held goes out before the close
+        assert transport.get_extra_info("peername") == "info:peername"
+        return real
+
+    real = asyncio.run(run())
+    assert real.writes[-1] == b"last words" and real.closed

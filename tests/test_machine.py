@@ -186,6 +186,22 @@ def test_approval_gate(machine: Machine) -> None:
     assert view.state.status == "compensated"
 
 
+def test_a_superseded_dispatchs_success_settles_the_step_without_counting_its_attempt_again(
+    machine: Machine,
+) -> None:
+    """Found by the state-machine test: dispatch 1's attempt 3 was refused (counted), an approval
+    re-dispatched it, then a success naming that same attempt arrived; it was counted a second time.
+    """
+    view = fold(machine, new_view(), step("a"), WorkflowFailed())
+    job = view.jobs.pop()
+    refused = CompensationRefused(step="a", dispatch=job.dispatch, attempt=3, status="awaiting-approval", reason="p")
+    fold(machine, view, refused, OperatorApprove(step="a", by="bob"))
+    assert view.comps["a"].attempts == 1 and view.comps["a"].dispatch == job.dispatch + 1
+    fold(machine, view, CompensationSucceeded(step="a", dispatch=job.dispatch, attempt=3))
+    assert view.comps["a"].status == "succeeded" and view.comps["a"].attempts == 1
+    assert view.state.status == "compensated"
+
+
 def test_barrier_waits_for_announced_steps(machine: Machine) -> None:
     view = fold(machine, new_view(), step("a"), WorkflowFailed(steps_completed=2))
     assert view.state.status == "failed" and view.jobs == []

@@ -15,61 +15,57 @@
 -- KEYS: per workflow, state, steps, comp, log, outbox (hash-tagged with the workflow id: one
 --       cluster slot; the outbox is declared for a uniform key list and not written).
 -- ARGV: now, ttl seconds, slack seconds, log maxlen, then per workflow in KEYS order: expected
---       step count, step count, then per step: step id, compensation record JSON (its seq already
---       right), the raw step JSON, its timeline entry count, and for each entry its field count
---       followed by its field/value pairs.
--- Returns per workflow {0} when the caller must take the compare-and-set path, else {1, 1 if this
--- call created the workflow else 0, the version and createdAt now committed (what the status
--- index reflects)}.
+--       step count, step count, timeline entry count, then per step its id, its compensation
+--       record JSON (its seq already right) and the raw step JSON, then per timeline entry its
+--       field count followed by its field/value pairs (the entries of all its steps, in order).
+--       Few arguments per step: each one costs Redis more than the bytes it carries.
+-- Returns a flat array, two values per workflow: the version now committed (negative when this
+-- call created the workflow) and its createdAt, what the status index reflects; or 0 and '' when
+-- the caller must take the compare-and-set path (a flat array: a table per workflow cost more).
 local now, ttl, slack, logmax = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 
--- Where the arguments of the step that starts at ARGV[j] end: its entries' field counts say.
-local function after_step(j)
-  local nentries = tonumber(ARGV[j + 3])
-  j = j + 4
-  for _ = 1, nentries do
+-- Where the arguments of the workflow that start at ARGV[i] end: its counts say.
+local function skip(i)
+  local j = i + 3 + 3 * tonumber(ARGV[i + 1])
+  for _ = 1, tonumber(ARGV[i + 2]) do
     j = j + 1 + 2 * tonumber(ARGV[j])
   end
   return j
 end
 
--- One workflow: its keys start at KEYS[k], its arguments at ARGV[i]. Returns its reply.
+-- One workflow: its keys start at KEYS[k], its arguments at ARGV[i]. Returns its two reply values.
 local function record(k, i)
   local state, steps, comp, log = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
-  local expected, count = ARGV[i], tonumber(ARGV[i + 1])
+  local expected, count, nlog = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local current = redis.call('HMGET', state, 'status', 'version', 'steps', 'createdAt')
   local status = current[1]
   if (status and status ~= 'running') or (current[3] or '0') ~= expected then
-    return {0}
+    return 0, ''
   end
-  local first = i + 2
+  local first = i + 3
+  local last = first + 3 * (count - 1)
   if count == 1 then  -- the common case: the check and the write in one call
     if redis.call('HSETNX', comp, ARGV[first], ARGV[first + 1]) == 0 then
-      return {0}
+      return 0, ''
     end
   else
-    local j = first
-    for _ = 1, count do
+    for j = first, last, 3 do
       if redis.call('HEXISTS', comp, ARGV[j]) == 1 then
-        return {0}
+        return 0, ''
       end
-      j = after_step(j)
     end
-  end
-  local j, logged = first, false
-  for _ = 1, count do
-    if count > 1 then
+    for j = first, last, 3 do
       redis.call('HSET', comp, ARGV[j], ARGV[j + 1])
     end
+  end
+  for j = first, last, 3 do
     redis.call('RPUSH', steps, ARGV[j + 2])
-    local nentries = tonumber(ARGV[j + 3])
-    j = j + 4
-    for _ = 1, nentries do
-      local nfields = tonumber(ARGV[j])
-      redis.call('XADD', log, 'MAXLEN', '~', logmax, '*', unpack(ARGV, j + 1, j + 2 * nfields))
-      j = j + 1 + 2 * nfields
-      logged = true
-    end
+  end
+  local j = last + 3
+  for _ = 1, nlog do
+    local nfields = tonumber(ARGV[j])
+    redis.call('XADD', log, 'MAXLEN', '~', logmax, '*', unpack(ARGV, j + 1, j + 2 * nfields))
+    j = j + 1 + 2 * nfields
   end
   local total = tonumber(expected) + count
   local version, created = tonumber(current[2] or '0') + 1, current[4] or now
@@ -78,26 +74,19 @@ local function record(k, i)
   else
     redis.call('HSET', state, 'status', 'running', 'version', version, 'steps', total, 'createdAt', now, 'updatedAt', now)
   end
-  if not status or expected == '0' or logged or slack == 0 or redis.call('TTL', state) < ttl then
+  if not status or expected == '0' or nlog > 0 or slack == 0 or redis.call('TTL', state) < ttl then
     for n = k, k + 3 do
       redis.call('EXPIRE', KEYS[n], ttl + slack)
     end
   end
-  return {1, status and 0 or 1, version, created}
-end
-
--- Where each workflow's arguments end: the step count and each step's entries say.
-local function skip(i)
-  local j = i + 2
-  for _ = 1, tonumber(ARGV[i + 1]) do
-    j = after_step(j)
-  end
-  return j
+  return status and version or -version, created
 end
 
 local replies, i = {}, 5
 for k = 1, #KEYS, 5 do
-  replies[#replies + 1] = record(k, i)
+  local version, created = record(k, i)
+  replies[#replies + 1] = version
+  replies[#replies + 1] = created
   i = skip(i)
 end
 return replies

@@ -1,0 +1,93 @@
+"""The coordinator's store against a real redis-server: what its hand-packed commands say."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+from mcp_saga.coordinator.machine import Machine
+from mcp_saga.coordinator.store import Store, _read_entries
+from mcp_saga.schemas.config import parse_config
+from mcp_saga.schemas.events import StepCompleted, StepStarted
+from mcp_saga.schemas.records import forward_key, state_from_hash
+from redis.connection import Connection
+
+CONFIG = parse_config({})
+RECOVERY = {
+    "strategy": "compensation",
+    "compensatingOperation": {"operationId": "undo", "parameters": {"id": "$response.body#/id"}},
+}
+
+
+def planned(workflow: str, names: list[str], base: int = 0) -> tuple[int, list]:
+    """A workflow's steps as the coordinator's fast path plans them (some with timeline entries)."""
+    machine, now, steps = Machine(CONFIG), time.time(), []
+    for n, name in enumerate(names):
+        if name.startswith("intent-"):
+            data = StepStarted(step=name, server="svc", tool="do", forward_key=forward_key(workflow, name))
+            comp, entries = machine.plan_started(workflow, data, base + n, now, f"1-{n}", ("a repair",))
+        else:
+            recovery = None if name.startswith("plain-") else RECOVERY  # no recovery: a timeline entry
+            data = StepCompleted(
+                step=name, server="svc", tool="do", result={"structuredContent": {"id": name}}, recovery=recovery
+            )
+            comp, entries = machine.plan_step(workflow, data, base + n, False, now, f"1-{n}")
+        steps.append((comp, f'{{"step":"{name}"}}'.encode(), entries))
+    return base, steps
+
+
+def test_the_hand_packed_record_is_the_command_redis_py_would_send(r: redis.Redis) -> None:
+    store = Store(r, CONFIG.keys(), CONFIG.coordinator)
+    batches = {
+        "order-1": planned("order-1", ["a"]),
+        "order-2": planned("order-2", ["b", "plain-c", "intent-d"], base=4),
+        "ordér-3": planned("ordér-3", ["plain-e"]),
+    }
+    now = 1_700_000_000.25
+    ((workflows, keys, args),) = store._record_calls(batches, now)
+    assert workflows == list(batches)
+    expected = b"".join(Connection().pack_command("EVALSHA", store._record_steps.sha, len(keys), *keys, *args))
+    assert store._packed_record(batches, now) == expected
+    assert store._packed_record(batches, now) == expected  # and again, from the packed keys it kept
+
+
+def test_recorded_ahead_the_steps_are_written_and_the_reply_read(r: redis.Redis) -> None:
+    store = Store(r, CONFIG.keys(), CONFIG.coordinator)
+    keys = CONFIG.keys()
+    r.xgroup_create(keys.events, keys.group, id="0", mkstream=True)
+    r.xadd(keys.events, {"type": "workflow-completed", "workflow": "order-9", "data": "{}"})
+    r.script_load(store._record_steps.text)
+    batches = {"order-1": planned("order-1", ["a", "plain-b"]), "order-2": planned("order-2", ["c"], base=3)}
+    read = ("XREADGROUP", "GROUP", keys.group, "me", "COUNT", 10, "STREAMS", keys.events, ">")
+    _, flight = store.record_ahead(None, batches, time.time(), [read, ("PING",)])
+    outcomes = store.collect(flight)
+    (entries, pong) = store.read_trail(flight)
+    # order-2 expected 3 steps already recorded, and has none: nothing written, the CAS path decides
+    assert outcomes["order-2"] is None and not r.exists(keys.state("order-2"))
+    first = outcomes["order-1"]
+    assert first is not None and (first.created, first.steps, first.version) == (True, 2, 1)
+    state = state_from_hash(r.hgetall(keys.state("order-1")))
+    assert (state.status, state.steps, state.created_at) == ("running", 2, first.created_at)
+    assert r.lrange(keys.steps("order-1"), 0, -1) == [b'{"step":"a"}', b'{"step":"plain-b"}']
+    assert set(r.hkeys(keys.comp("order-1"))) == {b"a", b"plain-b"}
+    assert [e[b"plan"] for _, e in r.xrange(keys.log("order-1"))] == [b"skipped"]  # plain-b's timeline entry
+    assert entries[0][1][0][1][b"workflow"] == b"order-9" and pong is True
+
+
+def test_raw_stream_replies_read_as_redis_py_parses_them(r: redis.Redis) -> None:
+    r.xgroup_create("s", "a", id="0", mkstream=True)
+    r.xgroup_create("s", "b", id="0")
+    ids = [r.xadd("s", {"n": str(n), "k": "v"}) for n in range(3)]
+    connection = r.connection_pool.get_connection()
+    try:
+
+        def raw(group: str, start: str) -> object:
+            connection.send_command("XREADGROUP", "GROUP", group, "me", "COUNT", 10, "STREAMS", "s", start)
+            return connection.read_response()
+
+        assert _read_entries(raw("a", ">")) == r.xreadgroup("b", "me", {"s": ">"}, count=10)
+        r.xdel("s", ids[0])  # a pending entry deleted: delivered again with no fields
+        assert _read_entries(raw("a", "0")) == r.xreadgroup("b", "me", {"s": "0"}, count=10)
+        assert _read_entries(raw("a", ">")) == r.xreadgroup("b", "me", {"s": ">"}, count=10) == []
+    finally:
+        r.connection_pool.release(connection)
