@@ -1,6 +1,7 @@
 """What metrics and tracing cost: ingest and worker throughput with them on and off, in the same run.
 
     python -m bench.observability [--workflows 500] [--steps 10] [--jobs 300] [--rounds 9]
+                                  [--worker-rounds 80] [--block 10] [--parts ingest,attempt,worker]
 
 "Off" replaces the hooks in the coordinator, the worker and the session pool with no-ops, so it
 is the code without instrumentation; "on" is what production runs with both on: every counter and
@@ -9,11 +10,11 @@ OTLP/HTTP to a local stand-in for a collector that answers 200 to each batch (en
 sending are paid; a collector's own work is not).
 
 On a shared 2-core box, two runs of the same code differ by 10-30% in wall-clock rate and by
-5-15% in CPU time, so every part runs its modes in `--rounds` interleaved rounds (off, on, off
-again, in an order that rotates from round to round) and judges the median of the per-round
-ratios, printed with their quartiles; "off again" is an A/A row: the ratio of two runs of the
-same code, the noise floor of the figure. CPU time is the primary figure (it moves less than
-rates when other work shares the cores).
+5-15% in CPU time, so every part runs its modes in interleaved rounds (off, on, off again, in an
+order that rotates from round to round) and judges the median of the per-round ratios, printed
+with their quartiles; "off again" is an A/A row: the ratio of two runs of the same code, the
+noise floor of the figure. CPU time is the primary figure (it moves less than rates when other
+work shares the cores).
 
 (a) ingest: one in-process coordinator drains `--workflows` x `--steps` step-completed events
     (each with a trace context) of which one workflow in five then fails, so the batches hold
@@ -21,10 +22,11 @@ rates when other work shares the cores).
 (b) a worker's compensation attempt run in-process without RQ (so RQ's share, about half a
     job's CPU, is not there to dilute it): its CPU, with every attempt traced and with 1 in 10;
     and the hooks alone (one attempt's span, exported and flushed, its metrics), as a share.
-(c) one worker process over streamable HTTP (bench/worker.py's method), `--jobs` jobs carrying a
-    trace context per run: its CPU per compensation after its first (measured in the process,
-    the span exporter's flush included), and compensations/s (ratio of the medians).
-Target: on / off <= 1/0.95 for CPU, >= 0.95 for rates.
+(c) one worker process (one slot) over streamable HTTP, every job carrying a trace context, its
+    jobs in blocks of `--block` that take turns at off, on and off again (`--worker-rounds`
+    rounds, two more of warm-up left out): its CPU per compensation, measured inside it, and
+    compensations/s. Separate processes per mode drifted apart as far as the effect.
+Target: on / off <= 1/0.95 for CPU, >= 0.95 for rates. `--parts` runs some of the parts only.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from mcp_saga.cli.procs import REPO, free_port, start_http_server, stop, wait_un
 from mcp_saga.cli.redis_server import resolve_redis
 from mcp_saga.coordinator import consumer
 from mcp_saga.examples import TRIVIAL
-from mcp_saga.schemas.config import parse_config
+from mcp_saga.schemas.config import Config, ServerConfig, WorkerSettings, parse_config, write_config
 from mcp_saga.schemas.events import TraceContext, WorkflowFailed, entry_fields
 from redis import Redis
 from redis.retry import Retry
@@ -303,54 +305,81 @@ def ingest_rows(url: str, workflows: int, steps: int, rounds: int, otel: dict[st
     ]
 
 
-def worker_rows(url: str, jobs: int, rounds: int, otel: dict[str, str]) -> list[Row]:
-    """Short runs of one worker process per mode, interleaved; each reports its CPU per job."""
+MODES = ("off", "on", "again")
+
+
+def mode_of(block: int) -> str:
+    """The mode of the `block`-th block of jobs: rounds of three blocks, their order rotating each round."""
+    position, round_ = block % len(MODES), block // len(MODES)
+    return MODES[(position + round_) % len(MODES)]
+
+
+def worker_rows(url: str, rounds: int, block: int, warm: int, otel: dict[str, str]) -> list[Row]:
+    """One worker process whose jobs take turns, in blocks of `block`, at off, on and off again.
+
+    Separate processes per mode (one per round) gave an A/A as far from 1 as the effect: the load
+    moved between processes seconds apart. Here the modes alternate every tenth of a second or so in
+    one process, which measures each job's CPU (see `worker_process`); `warm` rounds are left out.
+    """
     this = [sys.executable, "-m", "bench.observability", "--worker-process"]
     carrier = {"traceparent": _trace().traceparent}
-    rates: Runs = {"off": [], "on": [], "again": []}
+    jobs = (rounds + warm) * len(MODES) * block
     with ExitStack() as stack:
         target = stack.enter_context(start_http_server(TRIVIAL))[1]
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         config, cpu_file = folder / "bench.toml", folder / "cpu.json"
-        work.write_config(config, target)
+        servers = {"trivial": ServerConfig(url=target)}
+        one_slot = Config(prefix=work.PREFIX, servers=servers, worker=WorkerSettings(concurrency=1))
+        write_config(one_slot, config)
         redis = Redis.from_url(url)
-
-        def measure(mode: str) -> Any:
-            def one() -> float:
-                command = [*this, "on" if mode == "on" else "off", str(cpu_file)]
-                env = otel if mode == "on" else None
-                rates[mode].append(
-                    work.compensations_per_second(redis, url, config, jobs, 1, command=command, trace=carrier, env=env)
-                )
-                return json.loads(cpu_file.read_text())["us_per_job"]
-
-            return one
-
-        cpu = interleaved({mode: measure(mode) for mode in rates}, rounds)
+        command = [*this, str(block), str(cpu_file)]
+        work.compensations_per_second(redis, url, config, jobs, 1, command=command, trace=carrier, env=otel)
         redis.flushdb()
         redis.close()
+        measured = json.loads(cpu_file.read_text())
+    cpu: Runs = {mode: [] for mode in MODES}
+    rates: Runs = {mode: [] for mode in MODES}
+    for n, mode, us, seconds, spans in measured["blocks"]:
+        if n >= warm * len(MODES):  # whole rounds, so that each round's three blocks pair up
+            cpu[mode].append(us + measured["export_us_per_span"] * spans / block)
+            rates[mode].append(block / seconds)
+    assert not any(spans for _, mode, *_, spans in measured["blocks"] if mode != "on"), "a span with the hooks off"
     limit = f"<= {1 / TARGET:.2f}"
     return [
         base_row("worker process, CPU per compensation, off (us)", cpu, "off"),
         compared("worker process, CPU per compensation, off again: the noise (us)", cpu, "again", "off", ""),
         compared("worker process, CPU per compensation, on (us)", cpu, "on", "off", limit),
+        Row("worker process, of which the span's export (us)", measured["export_us_per_span"], None, "", None),
         base_row("worker process, instrumentation off (compensations/s)", rates, "off"),
-        compared("worker process, compensations/s, off again: the noise", rates, "again", "off", "", True, True),
-        compared("worker process, on (compensations/s)", rates, "on", "off", f">= {TARGET}", True, True),
+        compared("worker process, compensations/s, off again: the noise", rates, "again", "off", "", True),
+        compared("worker process, on (compensations/s)", rates, "on", "off", f">= {TARGET}", True),
     ]
+
+
+class WorkerHooks:
+    """Switches a worker's instrumentation: the job's and the session pool's hooks, and the metrics'
+    Redis retry (which counts errors) for redis-py's own."""
+
+    def __init__(self) -> None:
+        from mcp_saga.runtime import metrics, sessions
+        from mcp_saga.workers import job
+
+        self.job, self.sessions, self.retry = job, sessions, metrics.CountingRetry
+        self.real = job.metrics, job.tracing, sessions.tracing, metrics.CountingRetry.call_with_retry
+
+    def set(self, on: bool) -> None:
+        hooks = self.real if on else (OFF_METRICS, OFF_TRACING, OFF_TRACING, Retry.call_with_retry)
+        self.job.metrics, self.job.tracing, self.sessions.tracing, self.retry.call_with_retry = hooks
 
 
 @contextmanager
 def worker_hooks_off() -> Iterator[None]:
-    from mcp_saga.runtime import sessions
-    from mcp_saga.workers import job
-
-    saved = job.metrics, job.tracing, sessions.tracing
-    job.metrics, job.tracing, sessions.tracing = OFF_METRICS, OFF_TRACING, OFF_TRACING  # type: ignore[assignment]
+    hooks = WorkerHooks()
+    hooks.set(False)
     try:
         yield
     finally:
-        job.metrics, job.tracing, sessions.tracing = saved
+        hooks.set(True)
 
 
 def attempt_cpu_rows(url: str, jobs: int, rounds: int) -> list[Row]:
@@ -464,66 +493,98 @@ def attempt_cpu_rows(url: str, jobs: int, rounds: int) -> list[Row]:
     ]
 
 
-def rows(url: str, *, workflows: int = 500, steps: int = 10, jobs: int = 300, rounds: int = 9) -> list[Row]:
+PARTS = ("ingest", "attempt", "worker")
+
+
+def rows(
+    url: str,
+    *,
+    workflows: int = 500,
+    steps: int = 10,
+    jobs: int = 300,
+    rounds: int = 9,
+    worker_rounds: int = 80,
+    block: int = 10,
+    parts: tuple[str, ...] = PARTS,
+) -> list[Row]:
     rounds = max(2, rounds)
+    found: list[Row] = []
     with collector() as otel:
-        found = ingest_rows(url, workflows, steps, rounds, otel)
-        found += attempt_cpu_rows(url, jobs, rounds * 2)
-        return found + worker_rows(url, jobs, rounds, otel)
+        if "ingest" in parts:
+            found += ingest_rows(url, workflows, steps, rounds, otel)
+        if "attempt" in parts:
+            found += attempt_cpu_rows(url, jobs, rounds * 2)
+        if "worker" in parts:
+            found += worker_rows(url, max(2, worker_rounds), block, 2, otel)
+    return found
 
 
-def worker_process(mode: str, cpu_file: str, argv: list[str]) -> int:
-    """`python -m mcp_saga.workers` with the hooks off, or with tracing and a metrics endpoint on.
+def worker_process(block: int, cpu_file: str, argv: list[str]) -> int:
+    """`python -m mcp_saga.workers` with tracing and a metrics endpoint on, its jobs' hooks switched
+    off and on by blocks of `block` jobs (`mode_of`); one slot, so one job runs at a time.
 
-    Writes to `cpu_file` the process's CPU per job from the end of its first job (sessions warm)
-    to the end of its last, plus the exporter's flush of what is left: what a job costs once
-    running, without the start-up and the exit (imports differ between the modes, and are not
-    throughput).
+    Writes to `cpu_file`, per block: its mode, its CPU per job (the process's, from the end of the
+    block before to the end of its last job, RQ's work between the jobs included, the span
+    exporter's thread left out), its seconds, and its spans; and the exporter's CPU per span over
+    the run (its last flush included), which the caller charges back per span (see `Exporting`).
     """
-    from mcp_saga.runtime import metrics, sessions, tracing
+    from mcp_saga.runtime import metrics, tracing
     from mcp_saga.workers import __main__ as entry
-    from mcp_saga.workers import job, process
+    from mcp_saga.workers import job
 
-    if mode == "off":
-        job.metrics, job.tracing, sessions.tracing = OFF_METRICS, OFF_TRACING, OFF_TRACING  # type: ignore[assignment]
-        process.CountingRetry = lambda _component, backoff, retries: Retry(backoff, retries)  # type: ignore[assignment]
-    else:
-        tracing.setup("worker")
-        metrics.serve(parse_config({}).metrics, "worker", port=free_port())
-    done: list[float] = []
+    tracing.setup("worker")
+    metrics.serve(parse_config({}).metrics, "worker", port=free_port())
+    exporting, hooks = Exporting(), WorkerHooks()
+    ends: list[tuple[str, float, float, int]] = []
     compensate = job.compensate
 
     def counted(payload: str) -> str:  # RQ finds the job's function by name, so this is what it runs
+        mode = mode_of(len(ends) // block)
+        hooks.set(mode == "on")
         try:
             return compensate(payload)
         finally:
-            done.append(time.process_time())
+            ends.append((mode, time.process_time() - exporting.cpu(), time.perf_counter(), exporting.spans))
 
     job.compensate = counted  # type: ignore[assignment]
     try:
         return entry.main(argv)
     finally:
-        flushing = time.process_time()
+        hooks.set(True)
+        exporting.provider.force_flush()  # type: ignore[attr-defined]
+        per_span = exporting.cpu() * 1e6 / max(1, exporting.spans)  # before the shutdown ends its thread
         tracing.shutdown()
-        if len(done) > 1:
-            spent = done[-1] - done[0] + time.process_time() - flushing
-            Path(cpu_file).write_text(json.dumps({"jobs": len(done), "us_per_job": spent / (len(done) - 1) * 1e6}))
+        blocks = []
+        for n in range(1, len(ends) // block):  # the first block has no end before it
+            first, last = ends[n * block - 1], ends[(n + 1) * block - 1]
+            spent = (last[1] - first[1]) * 1e6 / block
+            blocks.append((n, last[0], spent, last[2] - first[2], last[3] - first[3]))
+        Path(cpu_file).write_text(json.dumps({"blocks": blocks, "export_us_per_span": per_span}))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker-process"]:
-        return worker_process(argv[1], argv[2], argv[3:])
+        return worker_process(int(argv[1]), argv[2], argv[3:])
     if argv[:1] == ["--collector"]:
         return serve_collector(int(argv[1]))
     parser = argparse.ArgumentParser(prog="python -m bench.observability", description=__doc__.splitlines()[0])
     parser.add_argument("--workflows", type=int, default=500)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--jobs", type=int, default=300, help="jobs per worker-process run")
-    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds per part (the attempts: twice)")
+    parser.add_argument("--jobs", type=int, default=300, help="attempts per in-process round (a quarter of it)")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds of ingest (the attempts: twice)")
+    parser.add_argument("--worker-rounds", type=int, default=80, help="rounds of the worker process's blocks")
+    parser.add_argument("--block", type=int, default=10, help="jobs per block in the worker process")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {', '.join(PARTS)}")
     args = parser.parse_args(argv)
+    parts = tuple(part.strip() for part in args.parts.split(",") if part.strip())
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"unknown parts: {', '.join(sorted(unknown))} (known: {', '.join(PARTS)})")
     with resolve_redis(None) as url:
-        found = rows(url, workflows=args.workflows, steps=args.steps, jobs=args.jobs, rounds=args.rounds)
+        found = rows(
+            url, workflows=args.workflows, steps=args.steps, jobs=args.jobs, rounds=args.rounds,
+            worker_rounds=args.worker_rounds, block=args.block, parts=parts,
+        )  # fmt: skip
     print_table(found, f"metrics and tracing: on vs off, same run, load average {os.getloadavg()[0]:.2f}")
     return 0
 

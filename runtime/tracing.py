@@ -408,33 +408,30 @@ class Attempt:
 
     The worker's per-attempt cost of tracing (issue 17, Cost: at most 5% of its throughput) is
     mostly the SDK's: making the span, and encoding it to protobuf in the exporter's thread, where
-    each attribute costs about as much again as it does here. So the span carries only what a
-    trace is read by (workflow, step, server, tool; then attempt and outcome), the `traceparent`
-    is matched once, and the parent context is built from that match without the propagator.
+    each attribute adds about 3 us to the 13-19 us of a span without any (measured here), besides
+    its cleaning and setting on the hot path. So the span carries only what a trace is read by:
+    the workflow, step and server (the operation is in its name), then the outcome, and the
+    attempt number when it is a retry (no attribute: the first attempt). The `traceparent` is
+    matched once, and the parent context built from that match without the propagator.
     """
 
     __slots__ = ("carrier", "span")
 
     def __init__(self, job: CompensationJob) -> None:
         self.span: Any = None
-        self.carrier: dict[str, str] = {}
         match = TRACEPARENT.match(job.trace.get("traceparent") or "") if job.trace else None
         if match is None:
+            self.carrier: dict[str, str] = {}
             return
-        self.carrier = dict(job.trace or {})
         _remember_id(job.workflow, match["trace"])
         if not active() or not _records(match):
+            self.carrier = dict(job.trace or {})
             return
         self.span = _tracer().start_span(
             f"saga compensation {job.operation_id}",
-            context=_context_of(match, self.carrier),
+            context=_context_of(match, job.trace or {}),
             kind=_api().CLIENT,  # the span of the tools/call itself: the server continues it from `_meta`
-            attributes={
-                "saga.workflow": job.workflow,
-                "saga.step": job.step,
-                "saga.server": job.server,
-                "gen_ai.tool.name": job.operation_id,
-            },
+            attributes={"saga.workflow": job.workflow, "saga.step": job.step, "saga.server": job.server},
         )
         self.carrier = carrier_of(self.span)
 
@@ -444,7 +441,10 @@ class Attempt:
     def outcome(self, report: Report) -> None:
         if self.span is None:
             return
-        self.span.set_attributes({"saga.attempt": report.attempt, "saga.outcome": report.TYPE})
+        if report.attempt > 1:
+            self.span.set_attributes({"saga.attempt": report.attempt, "saga.outcome": report.TYPE})
+        else:
+            self.span.set_attribute("saga.outcome", report.TYPE)
         if report.TYPE not in ("compensation-succeeded", "recall-succeeded"):
             fail(self.span, getattr(report, "error", None) or getattr(report, "reason", None) or report.TYPE)
 

@@ -125,6 +125,52 @@ def test_reports_count_in_their_series_each_time_and_beyond_the_cap_under_other(
     assert ("cap-b", "undo", "succeeded") not in metrics._report_series  # `other` is not cached: the cap holds
 
 
+def test_the_counting_retry_counts_errors_and_recoveries_and_keeps_redis_pys_retries() -> None:
+    """A call that succeeds at once skips the counting; the first error is replayed into redis-py's
+    loop, so its failure handler, retry budget and backoff are as without the counting."""
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    retry = metrics.CountingRetry("retry-test", NoBackoff(), 2)
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"component": "retry-test"}) or 0.0
+
+    def flaky(errors: int, kind: type[Exception] = RedisConnectionError) -> tuple[object, list[Exception]]:
+        left, handled = [errors], []
+
+        def do() -> str:
+            if left[0]:
+                left[0] -= 1
+                raise kind("down")
+            return "ok"
+
+        return do, handled
+
+    def counts() -> tuple[float, float]:
+        return sample("saga_redis_errors_total"), sample("saga_redis_reconnects_total")
+
+    before = counts()
+    do, handled = flaky(0)
+    assert retry.call_with_retry(do, handled.append) == "ok" and handled == []
+    assert counts() == before
+    do, handled = flaky(2)
+    assert retry.call_with_retry(do, handled.append) == "ok" and len(handled) == 2
+    assert counts() == (before[0] + 2, before[1] + 1)
+    do, handled = flaky(3)  # one attempt and two retries, all failing: redis-py's budget, then its error
+    with pytest.raises(RedisConnectionError):
+        retry.call_with_retry(do, handled.append)
+    assert len(handled) == 3 and counts() == (before[0] + 5, before[1] + 1)
+    failures: list[int] = []
+    do, _ = flaky(1)
+    assert retry.call_with_retry(do, lambda _, n: failures.append(n), with_failure_count=True) == "ok"
+    assert failures == [1]
+    do, handled = flaky(1)  # an error the caller says not to retry: raised at once, not counted
+    with pytest.raises(RedisConnectionError):
+        retry.call_with_retry(do, handled.append, is_retryable=lambda _: False)
+    assert handled == [] and counts() == (before[0] + 6, before[1] + 2)
+
+
 def test_only_one_process_reads_the_fleet_gauges(fake: redis.Redis) -> None:
     keys = Keys()
     fake.zadd(keys.index("needs-attention"), {"wf-1": 1.0, "wf-2": 2.0})

@@ -20,7 +20,7 @@ SCRIPT = """
 import json, sys
 from mcp_saga.runtime import tracing
 from mcp_saga.schemas.records import CompensationJob
-from mcp_saga.schemas.events import CompensationSucceeded
+from mcp_saga.schemas.events import CompensationFailed, CompensationSucceeded
 
 assert tracing.setup("worker")
 def job(flags, state=None):
@@ -42,6 +42,11 @@ with tracing.attempt(job("01", "vendor=x")) as traced:
         inject_trace_context(meta)
     out["meta"] = meta
     traced.outcome(report)
+retry = CompensationFailed(step="s1", dispatch=1, attempt=3, final=False, server="svc", operation_id="undo",
+                           idempotency_key="k", arguments_digest="d", duration_ms=1.0, worker="w", error="boom",
+                           retryable=True)
+with tracing.attempt(job("01")) as retried:
+    retried.outcome(retry)
 tracing.shutdown()
 print(json.dumps(out))
 """
@@ -60,11 +65,16 @@ def test_a_worker_attempt_is_one_client_span_and_none_when_unsampled(tmp_path: P
     assert out["unsampled"] == {"span": False, "carrier": {"traceparent": unsampled}}
 
     spans = [json.loads(line) for line in spans_file.read_text().splitlines()]
-    assert [s["name"] for s in spans] == ["saga compensation undo"]  # no MCP SDK span beside it
-    (span,) = spans
+    assert [s["name"] for s in spans] == ["saga compensation undo"] * 2  # no MCP SDK span beside them
+    span, retried = spans
     assert span["kind"] == "SpanKind.CLIENT" and span["parent_id"] == "0x" + "cd" * 8
     assert span["context"]["trace_id"] == "0x" + "ab" * 16
-    assert span["attributes"]["saga.outcome"] == "compensation-succeeded"
+    # The operation is in the name; a first attempt has no attempt number, a retry has.
+    assert span["attributes"] == {
+        "saga.workflow": "wf", "saga.step": "s1", "saga.server": "svc", "saga.outcome": "compensation-succeeded"
+    }  # fmt: skip
+    assert retried["attributes"]["saga.attempt"] == 3 and retried["attributes"]["saga.outcome"] == "compensation-failed"
+    assert retried["status"]["status_code"] == "ERROR" and retried["status"]["description"] == "boom"
     mine = f"00-{'ab' * 16}-{span['context']['span_id'].removeprefix('0x')}-01"
     assert out["sampled"]["carrier"] == {"traceparent": mine, "tracestate": "vendor=x"}
     assert out["meta"] == out["sampled"]["carrier"]  # the server continues the attempt's span
