@@ -48,14 +48,21 @@ class Arrivals:
         path.touch()
         self.file = path.open()
         self.seen: dict[int, float] = {}
+        self.partial = ""
 
     def wait(self, n: int, timeout: float = 30.0) -> float:
         deadline = time.monotonic() + timeout
         while n not in self.seen:
-            line = self.file.readline()
+            # A line that straddles a page boundary is written in two copies, and a reader between
+            # them sees its first part: kept, not dropped (its tail alone read as "<time> <n>" put a
+            # compensation first with a made-up time, and the order check failed on nothing).
+            line = self.partial + self.file.readline()
+            self.partial = ""
             if line.endswith("\n"):
                 at, number = line.split()
                 self.seen[int(number)] = float(at)
+            elif line:
+                self.partial = line
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"compensation {n} never reached the server")
             else:

@@ -1,0 +1,23 @@
+"""The latency bench's reader of the server's arrivals file (its order check rests on it)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from bench.latency import Arrivals
+
+
+def test_a_line_read_half_written_keeps_its_time_and_number(tmp_path: Path) -> None:
+    path = tmp_path / "arrivals"
+    arrivals = Arrivals(path)
+    with path.open("a", buffering=1) as out:
+        out.write("1764619000.123456 7\n1764619000.2")  # the second line's first page, as a reader may see it
+        out.flush()
+        assert arrivals.wait(7, timeout=1) == 1764619000.123456
+        timer = threading.Timer(0.05, lambda: (out.write("50000 8\n"), out.flush()))
+        timer.start()
+        try:
+            assert arrivals.wait(8, timeout=5) == 1764619000.250000
+        finally:
+            timer.join()
