@@ -146,7 +146,7 @@ class Report:
     attention: dict[str, str] = field(default_factory=dict)
     dead_letters: dict[str, int] = field(default_factory=dict)
     workflow_keys_after: int = -1
-    memory_detail: dict[str, dict[str, int]] = field(default_factory=dict)
+    memory_detail: dict[str, dict[str, Any]] = field(default_factory=dict)
     memory_before: int = 0
     memory_after: int = 0
     rq_bytes_after: int = 0

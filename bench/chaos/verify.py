@@ -259,7 +259,7 @@ def memory_of(r: Any, field: str) -> int:
 
 def footprint(
     r: Any, keys: Keys, ignore: frozenset[str] = frozenset(), *, queue: redis.Redis | None = None
-) -> dict[str, int]:
+) -> dict[str, Any]:
     """Memory and keys: what "back to baseline" is measured with.
 
     `ignore` names workflows whose orchestrator never published a terminal event: they stay
@@ -292,6 +292,14 @@ def footprint(
     if queue is not r:  # RQ's records count against the baseline as on one Redis
         memory = {name: value + memory_of(queue, name) for name, value in memory.items()}
     saga_bytes = sum(r.memory_usage(k, samples=0) or 0 for k in r.scan_iter(match=f"{keys.prefix}:*", count=1000))
+    # Anything else (neither ours nor RQ's), by the first part of its name: a memory overrun says whose it is.
+    other: dict[str, int] = {}
+    for client in {id(r): r, id(queue): queue}.values():
+        for key in client.scan_iter(count=1000):
+            name = key.decode(errors="replace")
+            if not name.startswith((f"{keys.prefix}:", "rq:")):
+                head = name.split(":", 1)[0]
+                other[head] = other.get(head, 0) + (client.memory_usage(key, samples=0) or 0)
     return {
         "used_memory": memory["used_memory"],
         "dataset": memory["used_memory_dataset"],
@@ -299,6 +307,8 @@ def footprint(
         "clients": memory["mem_clients_normal"],
         "scripts": memory["used_memory_scripts"],
         "saga_bytes": saga_bytes,
+        "other_bytes": sum(other.values()),
+        "other": dict(sorted(other.items(), key=lambda kv: -kv[1])[:5]),
         "keys": sum(keys_in(c) for c in {id(r): r, id(queue): queue}.values()),
         "workflow_keys": workflow_keys,
         "indexed": indexed,
