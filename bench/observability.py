@@ -263,10 +263,9 @@ def drain(
         return rate, spent / len(entries) * 1e6
 
 
-def ingest_rows(url: str, workflows: int, steps: int, rounds: int, otel: dict[str, str]) -> list[Row]:
+def ingest_rows(url: str, workflows: int, steps: int, rounds: int) -> list[Row]:
     from mcp_saga.runtime import metrics
 
-    tracing_on(otel)
     server = metrics.serve(parse_config({}).metrics, "bench", port=free_port())
     redis = Redis.from_url(url)
     rates: Runs = {"off": [], "on": [], "again": []}
@@ -512,8 +511,10 @@ def rows(
     rounds = max(2, rounds)
     found: list[Row] = []
     with collector() as otel:
+        if "ingest" in parts or "attempt" in parts:
+            tracing_on(otel)  # once: both run in this process
         if "ingest" in parts:
-            found += ingest_rows(url, workflows, steps, rounds, otel)
+            found += ingest_rows(url, workflows, steps, rounds)
         if "attempt" in parts:
             found += attempt_cpu_rows(url, jobs, rounds * 2)
         if "worker" in parts:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
+from processes import REPO
+
+sys.path.insert(0, str(REPO))  # `bench` is not an installed package
 from bench.latency import Arrivals
 
 
