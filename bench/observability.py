@@ -332,7 +332,7 @@ def worker_rows(url: str, rounds: int, block: int, warm: int, otel: dict[str, st
         write_config(one_slot, config)
         redis = Redis.from_url(url)
         command = [*this, str(block), str(cpu_file)]
-        work.compensations_per_second(redis, url, config, jobs, 1, command=command, trace=carrier, env=otel)
+        work.run_workers(redis, url, config, jobs, 1, command=command, trace=carrier, env=otel)
         redis.flushdb()
         redis.close()
         measured = json.loads(cpu_file.read_text())

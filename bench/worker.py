@@ -102,21 +102,6 @@ class Run:
     cpu_us: float  # the worker processes' CPU per compensation, from a tenth of the reports on
 
 
-def compensations_per_second(
-    redis: Redis,
-    url: str,
-    config: Path,
-    jobs: int,
-    workers: int,
-    *,
-    command: list[str] | None = None,
-    env: dict[str, str] | None = None,
-    trace: dict[str, str] | None = None,
-) -> float:
-    """`command` replaces `python -m mcp_saga.workers` (bench/observability.py runs variants of it)."""
-    return run_workers(redis, url, config, jobs, workers, command=command, env=env, trace=trace).rate
-
-
 def run_workers(
     redis: Redis,
     url: str,
@@ -225,7 +210,7 @@ def rows(
         redis = Redis.from_url(redis_url)
         a, _ = calls_per_second(target, calls)
         b = rq_jobs_per_second(redis, jobs)
-        c = {n: compensations_per_second(redis, redis_url, config, jobs, n) for n in workers}
+        c = {n: run_workers(redis, redis_url, config, jobs, n).rate for n in workers}
         redis.flushdb()
     floor = min(a, b)
     found = [
@@ -284,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
             direct, via_pool = calls_per_second(target, args.calls)
             a, pooled = max(a, direct), max(pooled, via_pool)
             b = max(b, rq_jobs_per_second(redis, args.jobs))
-            one = compensations_per_second(redis, url, config, args.jobs, counts[0])
+            one = run_workers(redis, url, config, args.jobs, counts[0]).rate
             c[counts[0]] = max(c.get(counts[0], 0.0), one)
         for n in counts[1:]:
-            c[n] = compensations_per_second(redis, url, config, args.jobs, n)
+            c[n] = run_workers(redis, url, config, args.jobs, n).rate
 
     transport = "streamable HTTP" if target else "stdio"
     first, serial = c[counts[0]], 1 / (1 / a + 1 / b)
