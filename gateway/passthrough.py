@@ -31,7 +31,7 @@ from mcp_saga.gateway import wire
 from mcp_saga.gateway.identity import NoWorkflow, resolve_workflow, session_workflow
 from mcp_saga.gateway.proxy import Gateway, stamped
 from mcp_saga.gateway.recorder import NotRecordable
-from mcp_saga.gateway.upstream import Target, UpstreamError, Upstreams
+from mcp_saga.runtime.http_client import Target, UpstreamError, Upstreams
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.sessions import GATEWAY_CLIENT, client_info
 from mcp_saga.schemas.config import ConfigError

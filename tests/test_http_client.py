@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import cast
 
 import pytest
-from mcp_saga.gateway.upstream import Target, UpstreamError, Upstreams
+from mcp_saga.runtime.http_client import Target, UpstreamError, Upstreams
 
 pytestmark = pytest.mark.anyio
 Answer = Callable[[bytes], list[bytes]]

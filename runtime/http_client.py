@@ -1,11 +1,12 @@
-"""The pass-through's HTTP/1.1 client: keep-alive connections to the registry's URLs, one write per request.
+"""A lean HTTP/1.1 client: keep-alive connections to the registry's URLs, one write per request.
 
-At a 2 ms tool the gateway's whole budget is a few hundred microseconds a call, and the general
-clients spend it on their own: measured here (2000 sequential POSTs on one keep-alive connection,
-CPU per request) httpx2 about 920 µs, aiohttp about 200 µs, this client about 45 µs (httptools'
-C parser, the one uvicorn uses, on an asyncio protocol). It does only what the pass-through needs:
-a request with a whole body, an answer with Content-Length, chunked or read to close, streamed as
-it comes; no redirects, proxies, cookies or compression (it asks for identity).
+At a 2 ms tool the gateway's whole budget is a few hundred microseconds a call (and a worker's
+compensation is CPU-bound), and the general clients spend it on their own: measured here (2000
+sequential POSTs on one keep-alive connection, CPU per request) httpx2 about 920 µs, aiohttp about
+200 µs, this client about 45 µs (httptools' C parser, the one uvicorn uses, on an asyncio
+protocol). It does only what MCP over streamable HTTP needs: a request with a whole body, an
+answer with Content-Length, chunked or read to close, streamed as it comes; no redirects,
+proxies, cookies or compression (it asks for identity).
 """
 
 from __future__ import annotations
