@@ -69,10 +69,8 @@ _names = _Cache(lambda named: _field(b"\x2a", named[0].encode()) + b"\x30" + _va
 
 
 def _value(value: Any) -> bytes | None:
-    """An AnyValue, or None for a kind of value left to the SDK's encoder."""
+    """An AnyValue other than a string (see `_span`), or None for a kind left to the SDK's encoder."""
     kind = type(value)
-    if kind is str:
-        return _field(b"\x0a", value.encode())
     if kind is bool:
         return b"\x10\x01" if value else b"\x10\x00"
     if kind is int and value in _INT64:
@@ -95,11 +93,16 @@ def _span(span: ReadableSpan) -> bytes | None:
     if parent is not None:
         out += (b"\x22\x08", parent.span_id.to_bytes(8, "big"))
     out += (_names[span.name, span.kind.value], _TIMES(0x39, start, 0x41, end))
-    for key, value in (span.attributes or {}).items():
-        encoded = _value(value)
-        if encoded is None or type(key) is not str:
-            return None
-        pair = _keys[key] + b"\x12" + _varint(len(encoded)) + encoded
+    keys = _keys
+    for key, value in span.attributes.items():
+        if type(value) is str:  # most values: inline
+            text = value.encode()
+            encoded = b"\x0a" + _varint(len(text)) + text
+        else:
+            encoded = _value(value)
+            if encoded is None:
+                return None
+        pair = keys[key] + b"\x12" + _varint(len(encoded)) + encoded
         out += (b"\x4a", _varint(len(pair)), pair)
     status = span.status
     if status is None:
@@ -119,8 +122,10 @@ def encode(spans: Sequence[ReadableSpan]) -> bytes:
     """The ExportTraceServiceRequest of these spans, the bytes the SDK's encoder serializes to.
 
     Grouped as the SDK groups them: by resource, then by instrumentation scope, each in the
-    order it first appears."""
+    order it first appears (a span of the same two objects as the span before it, the usual
+    case, is not looked up: hashing a resource is not free)."""
     groups: dict[Any, dict[Any, list[bytes]]] = {}
+    last: tuple[Any, Any, list[bytes]] = (None, None, [])
     for span in spans:
         try:
             encoded = _span(span)
@@ -128,8 +133,10 @@ def encode(spans: Sequence[ReadableSpan]) -> bytes:
             encoded = None
         if encoded is None:
             encoded = _encode_span(span).SerializePartialToString()
-        scopes = groups.setdefault(span.resource, {})
-        scopes.setdefault(span.instrumentation_scope or None, []).append(b"\x12" + _varint(len(encoded)) + encoded)
+        resource, scope = span.resource, span.instrumentation_scope or None
+        if resource is not last[0] or scope is not last[1]:
+            last = (resource, scope, groups.setdefault(resource, {}).setdefault(scope, []))
+        last[2].append(b"\x12" + _varint(len(encoded)) + encoded)
     request = []
     for resource, scopes in groups.items():
         body = [_field(b"\x0a", _encode_resource(resource).SerializePartialToString())]
