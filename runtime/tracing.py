@@ -145,10 +145,7 @@ def _exporters() -> list[Any]:
     names = {e.strip() for e in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")} & _ON_VALUES
     exporters: list[Any] = []
     if "otlp" in names:
-        try:  # the SDK's exporter with a faster encoding (runtime/otlp.py), where its private encoder is there
-            from mcp_saga.runtime.otlp import SpanExporter as OTLPSpanExporter
-        except ImportError:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         exporters.append(OTLPSpanExporter())
     if "console" in names:
