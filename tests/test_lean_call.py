@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from mcp_saga.runtime.sessions import CallTimeout, ProtocolError, SessionPool, TransportError
 from mcp_saga.schemas.config import ServerConfig
-from processes import REPO, free_port, stop, wait_until_accepting
+from processes import REPO, free_port, stop, wait_for, wait_until_accepting
 from test_gateway import ts_sdk  # noqa: F401 - the fixture: the TypeScript SDK installed once into .cache/
 
 SERVER = """
@@ -223,3 +224,56 @@ def test_the_private_sdk_names_the_lean_call_relies_on() -> None:
     source = Path(sdk_session.__file__).read_text()
     for name in ("self._stamp(data, opts)", "self._call_tool_adapter", "self._negotiated_version"):
         assert name in source, name
+
+
+DROPPER = """
+import os, sys
+from mcp.server.mcpserver import MCPServer
+from mcp_saga.runtime.recovery_wire import compensation, recoverable_tool
+
+app = MCPServer("dropper", log_level="WARNING")
+log, marker = sys.argv[2], sys.argv[2] + ".dropped"
+
+@recoverable_tool(app, compensation("give_back", n="$request.body#/n"))
+def take(n: int) -> int:
+    return n
+
+@app.tool()
+def give_back(n: int, idempotencyKey: str | None = None) -> str:
+    with open(log, "a") as out:
+        out.write(f"{idempotencyKey}\\n")
+    if not os.path.exists(marker):  # the first attempt: the process, and its connection, go away mid-call
+        open(marker, "w").close()
+        os._exit(3)
+    return "given back"
+
+app.run("streamable-http", port=int(sys.argv[1]))
+"""
+
+
+def test_a_worker_whose_server_drops_the_call_retries_it_with_the_same_idempotency_key(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    from test_worker_job import FAST, plan, reports, start_worker, write_config
+
+    port, log = free_port(), tmp_path / "give_back.log"
+    command = [sys.executable, "-c", DROPPER, str(port), str(log)]
+    server = subprocess.Popen(command, cwd=REPO, stderr=subprocess.DEVNULL)
+    settings = {**FAST, "backoff_base": 1, "backoff_max": 1}
+    config = write_config(tmp_path / "saga.toml", {"d": {"url": f"http://127.0.0.1:{port}/mcp"}}, worker=settings)
+    worker = start_worker(redis_url, config, "w-dropped", tmp_path / "worker.log")
+    try:
+        wait_until_accepting("127.0.0.1", port, server)
+        job = plan(r, "order-drop", "take", {"n": 4}, server="d", tool="take", operation="give_back", worker=settings)
+        wait_for(lambda: reports(r, "order-drop"), what="the first report")
+        kind, first = reports(r, "order-drop")[0]
+        assert kind == "compensation-failed" and first.retryable and not first.final
+        assert "closed the connection before its answer ended" in first.error  # the lean call's own words
+        assert server.wait(10) == 3
+        server = subprocess.Popen(command, cwd=REPO, stderr=subprocess.DEVNULL)
+        wait_until_accepting("127.0.0.1", port, server)
+        wait_for(lambda: reports(r, "order-drop")[-1][0] == "compensation-succeeded", what="success after restart")
+    finally:
+        stop(worker)
+        stop(server)
+    assert log.read_text().split() == [job.idempotency_key] * 2
