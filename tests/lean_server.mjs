@@ -5,7 +5,7 @@ import http from "node:http";
 import { randomUUID } from "node:crypto";
 import { McpServer } from "@modelcontextprotocol/sdk/server/mcp.js";
 import { StreamableHTTPServerTransport } from "@modelcontextprotocol/sdk/server/streamableHttp.js";
-import { isInitializeRequest } from "@modelcontextprotocol/sdk/types.js";
+import { CreateMessageResultSchema, EmptyResultSchema, isInitializeRequest } from "@modelcontextprotocol/sdk/types.js";
 import { z } from "zod";
 
 const port = Number(process.argv[2]);
@@ -18,6 +18,19 @@ function build() {
     content: [{ type: "text", text: JSON.stringify({ headers: extra.requestInfo?.headers ?? {}, meta: extra._meta ?? null }) }],
   }));
   server.tool("echo", { n: z.number() }, async ({ n }) => ({ content: [{ type: "text", text: String(n) }] }));
+  // Asks the client two things in the middle of the call (on the call's SSE stream): a ping, then for a completion.
+  server.tool("asks", {}, async (_args, extra) => {
+    await extra.sendRequest({ method: "ping" }, EmptyResultSchema);
+    let answer = "pinged; ";
+    try {
+      const message = { role: "user", content: { type: "text", text: "hi" } };
+      await extra.sendRequest({ method: "sampling/createMessage", params: { messages: [message], maxTokens: 5 } }, CreateMessageResultSchema);
+      answer += "sampled";
+    } catch (error) {
+      answer += `refused: ${error.code} ${error.message}`;
+    }
+    return { content: [{ type: "text", text: answer }] };
+  });
   server.tool("forget", {}, async () => {
     for (const id of Object.keys(transports)) delete transports[id];
     return { content: [{ type: "text", text: "forgotten" }] };

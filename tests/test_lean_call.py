@@ -199,6 +199,17 @@ def test_an_old_protocol_server_with_sessions(ts_server: str) -> None:
         assert lean["headers"]["mcp-session-id"]  # the server refuses a request without its session
         assert lean["meta"]["idempotencyKey"] == "k-1"
         assert pool.call_tool("ts", "echo", {"n": 7})["content"][0]["text"] == "7"
+        # A server that asks the client mid-call gets the SDK's answers (it has no handlers), then the SDK serves it.
+        _lean(pool, "ts", False)
+        asked_sdk = pool.call_tool("ts", "asks")
+        _lean(pool, "ts", True)
+        sent = _sent(pool, "ts")
+        assert pool.call_tool("ts", "asks") == asked_sdk
+        assert asked_sdk["content"][0]["text"] == "pinged; refused: -32600 MCP error -32600: Sampling not supported"
+        assert _sent(pool, "ts") == sent + 1 and not pool._sessions.owner("ts").lean.usable
+        pool.call_tool("ts", "echo", {"n": 7})
+        assert _sent(pool, "ts") == sent + 1
+        _lean(pool, "ts", True)
         # The server forgets its sessions (as a restarted one would): 404, a reconnect, a new session.
         pool.call_tool("ts", "forget")
         with pytest.raises(TransportError, match="Session terminated"):
