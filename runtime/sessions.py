@@ -8,6 +8,9 @@ Sync callers submit with `run_coroutine_threadsafe` and block on the answer.
 
 Failures come back as `SessionError`s that say whether trying again can help: the job classifies
 them, the pool only reconnects.
+
+The worker's `call_tool` over streamable HTTP skips the SDK's client once the session is up: one
+POST on runtime/http_client.py, built and read as the SDK would (runtime/lean_call.py).
 """
 
 from __future__ import annotations
