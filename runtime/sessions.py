@@ -8,6 +8,9 @@ Sync callers submit with `run_coroutine_threadsafe` and block on the answer.
 
 Failures come back as `SessionError`s that say whether trying again can help: the job classifies
 them, the pool only reconnects.
+
+The worker's `call_tool` over streamable HTTP skips the SDK's client once the session is up: one
+POST on runtime/http_client.py, built and read as the SDK would (runtime/lean_call.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.session import MessageHandlerFnT
 from mcp.client.streamable_http import streamable_http_client
 from mcp_saga.runtime import tracing
+from mcp_saga.runtime.lean_call import LeanChannel, NotLean
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
 from mcp_saga.schemas.config import ServerConfig
@@ -115,9 +119,13 @@ class _Owner:
         client_name: str = WORKER_CLIENT,
         message_handler: MessageHandlerFnT | None = None,
         mode: str = "auto",
+        lean: bool = False,
     ):
         self.name, self.config = name, config
         self.mode = mode
+        # The current connection's direct line for `tools/call` (streamable HTTP only, when asked for).
+        self.lean: LeanChannel | None = None
+        self.lean_wanted = lean and config.url is not None
         self.info = client_info(client_name)
         self.message_handler = message_handler
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -197,7 +205,13 @@ class _Owner:
 
     def client(self) -> Client:
         if self.config.url is not None:
-            transport = _http_transport(self.config.url, self.config.headers(), self.config.timeout)
+            headers = self.config.headers()
+            if self.lean_wanted:
+                # A server the lean path gave up on stays with the SDK across reconnects.
+                usable = self.lean is None or self.lean.usable
+                self.lean = LeanChannel(self.config.url, headers, self.config.timeout)
+                self.lean.usable = usable
+            transport = _http_transport(self.config.url, headers, self.config.timeout, self.lean)
             return Client(
                 transport, cache=None, client_info=self.info, message_handler=self.message_handler, mode=self.mode
             )
@@ -213,14 +227,20 @@ class _Owner:
 
 
 @contextlib.asynccontextmanager
-async def _http_transport(url: str, headers: dict[str, str], timeout: float) -> AsyncIterator[Any]:
-    """Streamable HTTP with headers: the SDK takes them only through a caller-owned httpx client."""
+async def _http_transport(
+    url: str, headers: dict[str, str], timeout: float, lean: LeanChannel | None = None
+) -> AsyncIterator[Any]:
+    """Streamable HTTP with headers: the SDK takes them only through a caller-owned httpx client.
+
+    With a lean channel, the channel sees each answer the SDK gets (for the session id) and its
+    connections close with the session."""
     limits = httpx2.Timeout(timeout, read=max(timeout, HTTP_READ_TIMEOUT))
-    async with (
-        httpx2.AsyncClient(headers=headers, timeout=limits) as http,
-        streamable_http_client(url, http_client=http) as streams,
-    ):
-        yield streams
+    hooks = {"response": [lean.saw_response]} if lean is not None else None
+    async with contextlib.AsyncExitStack() as stack:
+        if lean is not None:
+            await stack.enter_async_context(lean.upstreams)
+        http = await stack.enter_async_context(httpx2.AsyncClient(headers=headers, timeout=limits, event_hooks=hooks))
+        yield await stack.enter_async_context(streamable_http_client(url, http_client=http))
 
 
 def _fail(request: Any, error: SessionError) -> None:
@@ -252,12 +272,14 @@ class AsyncSessions:
         client_name: str = WORKER_CLIENT,
         message_handler: Callable[[str], MessageHandlerFnT] | None = None,
         mode: str = "auto",
+        lean: bool = False,
     ):
         self.servers = dict(servers)
         self.tools_ttl = tools_ttl
         self.client_name = client_name
         self.message_handler = message_handler
         self.mode = mode
+        self.lean = lean
         self._owners: dict[str, _Owner] = {}
         self._lock = threading.Lock()
 
@@ -273,7 +295,14 @@ class AsyncSessions:
             owner = self._owners.get(server)
             if owner is None:
                 handler = self.message_handler(server) if self.message_handler else None
-                owner = _Owner(server, config, client_name=self.client_name, message_handler=handler, mode=self.mode)
+                owner = _Owner(
+                    server,
+                    config,
+                    client_name=self.client_name,
+                    message_handler=handler,
+                    mode=self.mode,
+                    lean=self.lean,
+                )
                 self._owners[server] = owner
             return owner
 
@@ -332,7 +361,8 @@ class SessionPool:
         # When each caller holding a server's places took it (SessionPool.slot).
         self._holders: dict[str, list[float]] = {}
         self._slots = threading.Condition()
-        self._sessions = AsyncSessions(servers, tools_ttl=tools_ttl)
+        # Lean `tools/call`s (runtime/lean_call.py): the worker's calls, with no message handler to serve.
+        self._sessions = AsyncSessions(servers, tools_ttl=tools_ttl, lean=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -346,11 +376,22 @@ class SessionPool:
         meta: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> dict[str, Any]:
-        """The CallToolResult as on the wire (camelCase); `isError` results are results, not errors."""
+        """The CallToolResult as on the wire (camelCase); `isError` results are results, not errors.
+
+        Over streamable HTTP the call goes out on the lean channel, unless the MCP SDK's own spans are
+        recorded (they would be missing) or the channel stepped aside for this server."""
+        owner = self._sessions.owner(server)
+        wait = timeout or owner.config.timeout
 
         async def call(client: Client) -> dict[str, Any]:
-            with tracing.continued(meta):  # the caller's trace, which the MCP SDK passes on in `_meta`
-                result = await client.call_tool(name, arguments or {}, meta=meta)
+            lean = owner.lean
+            result = None
+            if lean is not None and lean.ready(client.session) and not tracing.sdk_spans():
+                with contextlib.suppress(NotLean):
+                    result = await lean.call_tool(client, name, arguments or {}, meta, wait)
+            if result is None:
+                with tracing.continued(meta):  # the caller's trace, which the MCP SDK passes on in `_meta`
+                    result = await client.call_tool(name, arguments or {}, meta=meta)
             return result.model_dump(by_alias=True, mode="json", exclude_none=True)
 
         return self._submit(server, call, timeout)

@@ -678,3 +678,8 @@ def end(span: Any, error: str | None = None) -> None:
 
 def wire_of(span: Any) -> TraceContext | None:
     return None if span is None else to_wire(carrier_of(span))
+
+
+def sdk_spans() -> bool:
+    """Whether the MCP SDK's client spans are recorded here: off in the worker, so its lean calls lose none."""
+    return bool(_state["on"]) and MCP_SDK_TRACER not in _state["quiet"]
