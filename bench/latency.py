@@ -29,6 +29,7 @@ from mcp_saga.schemas.events import StepCompleted, WorkflowFailed, entry_fields
 from mcp_saga.schemas.keys import Keys
 from redis import Redis
 
+from bench.gateway import cpu_ns
 from bench.table import Row, print_table
 
 RECOVERY = compensation("noop_undo", n="$response.body#/n")
@@ -167,6 +168,8 @@ def reference(redis_url: str, workflows: int, rounds: int = 10) -> list[Row]:
     alternating (AB, BA, ...) as bench/gateway.py does: a baseline slowed by a neighbour in one
     phase then slows only its round's ratio. The p50 row's ratio is the median of the rounds' own
     p50 ratios, with their quartiles; the p99 row's figures are the p99s of all the rounds' samples.
+    Beside them, what load stretches much less: the coordinator's and the worker's CPU per saga, over
+    the saga rounds.
     """
     r = Redis.from_url(redis_url)
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="saga-bench-reference-") as tmp:
@@ -183,7 +186,8 @@ def reference(redis_url: str, workflows: int, rounds: int = 10) -> list[Row]:
         ]
         stack.callback(lambda: [stop(p) for p in procs])
         arrivals = Arrivals(arrivals_path)
-        direct, system = asyncio.run(_paired_rounds(r, payments, inventory, arrivals, workflows, rounds))
+        pids = {role: p.pid for role, p in zip(("coordinator", "worker"), procs, strict=True)}
+        direct, system, cpu = asyncio.run(_paired_rounds(r, payments, inventory, arrivals, workflows, rounds, pids))
     ms = 1000
     everything = [t for one in direct for t in one], [t for one in system for t in one]
     d50, d99 = (percentile(everything[0], q) * ms for q in (0.5, 0.99))
@@ -201,13 +205,15 @@ def reference(redis_url: str, workflows: int, rounds: int = 10) -> list[Row]:
             spread=(low, high),
         ),
         Row("reference: failure -> last compensation, p99 (ms)", p99, d99, "<= 2x direct", p99 <= 2 * d99),
+        *(Row(f"reference: {role} CPU per failing saga (ms)", used * ms, None, "", None) for role, used in cpu.items()),
     ]
 
 
 async def _paired_rounds(
-    r: Redis, payments: str, inventory: str, arrivals: Arrivals, workflows: int, rounds: int
-) -> tuple[list[list[float]], list[list[float]]]:
-    """Per round, the direct pairs' and the sagas' latencies (s), the two sides alternating first."""
+    r: Redis, payments: str, inventory: str, arrivals: Arrivals, workflows: int, rounds: int, pids: dict[str, int]
+) -> tuple[list[list[float]], list[list[float]], dict[str, float]]:
+    """Per round, the direct pairs' and the sagas' latencies (s), the two sides alternating first; and
+    the CPU seconds per saga of each of the processes `pids` (the coordinator and the worker) in the saga rounds."""
     per_round = max(1, workflows // rounds)
     async with Client(payments) as pay, Client(inventory) as inv:
         for n in range(RAW, RAW + 20):
@@ -245,15 +251,24 @@ async def _paired_rounds(
         sagas("ref-warm", 30_000_000, 20)
         direct: list[list[float]] = []
         system: list[list[float]] = []
+        used = dict.fromkeys(pids, 0)
+
+        def measured(i: int, first: int) -> list[float]:
+            before = {role: cpu_ns(pid) for role, pid in pids.items()}
+            took = sagas(f"ref-{i}", first, per_round)
+            for role, pid in pids.items():
+                used[role] += cpu_ns(pid) - before[role]
+            return took
+
         for i in range(rounds):
             first = 40_000_000 + i * 2 * per_round
             if i % 2:
-                system.append(sagas(f"ref-{i}", first, per_round))
+                system.append(measured(i, first))
                 direct.append(await direct_pairs(RAW + 1000 + first))
             else:
                 direct.append(await direct_pairs(RAW + 1000 + first))
-                system.append(sagas(f"ref-{i}", first, per_round))
-    return direct, system
+                system.append(measured(i, first))
+    return direct, system, {role: ns / 1e9 / (rounds * per_round) for role, ns in used.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
