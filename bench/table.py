@@ -18,7 +18,8 @@ class Row:
     target: str
     met: bool | None
     # The median of paired rounds' own ratios, where a bench pairs them: under load it is steadier than
-    # the ratio of the two medians, so it is the ratio shown. `spread`: those ratios' quartiles.
+    # the ratio of the two medians, so it is the ratio shown. `spread`: those ratios' quartiles (of the
+    # value itself when there is no baseline).
     paired: float | None = None
     spread: tuple[float, float] | None = None
 
@@ -53,6 +54,6 @@ def _fmt(value: float) -> str:
 
 
 def _ratio(row: Row) -> str:
-    if row.ratio is None:
-        return ""
+    if row.ratio is None:  # a figure with no baseline may still have a spread: its own quartiles
+        return f"({_fmt(row.spread[0])} to {_fmt(row.spread[1])})" if row.spread else ""
     return f"{row.ratio:.2f}" + (f" ({row.spread[0]:.2f}-{row.spread[1]:.2f})" if row.spread else "")

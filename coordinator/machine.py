@@ -162,7 +162,7 @@ class Machine:
             case WorkflowFailed():
                 self._failed(view, data, now)
             case WorkflowCompleted():
-                self._completed(view, now)
+                self._completed(view, now, event.id)
             case Report():
                 self._report(view, data, now)
             case OperatorCommand():
@@ -495,14 +495,14 @@ class Machine:
         view.state.status = "compensating"
         view.state.barrier_deadline = 0.0
 
-    def _completed(self, view: WorkflowView, now: float) -> None:
+    def _completed(self, view: WorkflowView, now: float, entry: str = "") -> None:
         state = view.state
         if state.status == "completed":
             return
         if state.status != "running":
             raise Rejected(f"workflow-completed for a workflow that is {state.status}")
         state.status = "completed"
-        view.note("workflow-completed", now)
+        view.note("workflow-completed", now, entry=entry or None)
 
     def _report(self, view: WorkflowView, data: Report, now: float) -> None:
         comp = view.comps.get(data.step)

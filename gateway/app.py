@@ -60,7 +60,7 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.expected is not None:
-            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            given = next((value for key, value in scope.get("headers") or () if key == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 body = json.dumps({"error": "unauthorized: send Authorization: Bearer <token>"}).encode()
                 await send(

@@ -48,6 +48,8 @@ _RESPONSE_HEADERS = frozenset({b"content-type", b"cache-control", b"content-leng
 _METHODS = ("GET", "POST", "DELETE")
 _LIST_CHANGED = b"notifications/tools/list_changed"
 _JSON = [(b"content-type", b"application/json")]
+_CHECKED = (b"host", b"origin", b"content-type")
+_PASSED_MAX = 256  # distinct (Host, Origin, Content-Type) that passed, kept per endpoint
 WATCH_AFTER = 0.1  # seconds a request runs before the gateway watches for its client going away
 Edit = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -71,6 +73,16 @@ class PassThrough:
         if any(b"\r" in k + v or b"\n" in k + v for k, v in self.own_headers):
             raise ConfigError(f"server {name!r}: a header from the environment holds a line break")
         self.timeout = config.timeout
+        self._passed: dict[tuple[bytes | None, ...], None] = {}
+
+    def security_passed(self, scope: Scope, is_post: bool) -> bool:
+        """Whether the SDK's Host / Origin / Content-Type checks passed for exactly these header values
+        before: a client sends the same three on every request, and the verdict depends on nothing
+        else, so it is worked out once (the SDK's own check, never a copy of its rules). Only passes
+        are kept, at most `_PASSED_MAX`: a refusal is worked out (and logged) each time."""
+        if len(self._passed) >= _PASSED_MAX:
+            self._passed.clear()
+        return _checked_headers(scope, is_post) in self._passed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -79,11 +91,12 @@ class PassThrough:
         if method not in _METHODS:
             await _answer(send, 405, b'{"error": "method not allowed"}', [(b"allow", b"GET, POST, DELETE")])
             return
-        if self.security is not None:
+        if self.security is not None and not self.security_passed(scope, method == "POST"):
             refusal = await self.security.validate_request(Request(scope), is_post=method == "POST")
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
+            self._passed[_checked_headers(scope, method == "POST")] = None
         headers: dict[bytes, bytes] = dict(scope["headers"])
         body = await _body(receive) if method == "POST" else b""
         try:
@@ -236,6 +249,15 @@ class PassThrough:
             if _LIST_CHANGED in chunk:
                 self.gateway.sessions.forget_tools(self.name)
             yield chunk
+
+
+def _checked_headers(scope: Scope, is_post: bool) -> tuple[bytes | None, ...]:
+    """The values the transport security check reads: the first of each header, as Starlette's `get`."""
+    found: dict[bytes, bytes] = {}
+    for key, value in scope["headers"]:
+        if key in _CHECKED and key not in found:
+            found[key] = value
+    return (b"post" if is_post else None, *(found.get(key) for key in _CHECKED))
 
 
 class _Watch:

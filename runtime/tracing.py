@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -178,15 +179,17 @@ def shutdown() -> None:
 # Spans ----------------------------------------------------------------------------------------
 
 
-def _provided() -> tuple[Any, Any, bool]:
-    """(provider, this package's tracer, whether its sampler drops unsampled remote parents), made
-    once per provider: the SDK builds a new tracer (and its scope) on every `get_tracer`."""
+def _provided() -> tuple[Any, Any, bool, Any]:
+    """(provider, this package's tracer, whether its sampler drops unsampled remote parents, the
+    `_Lean` recipe when the tracer allows one), made once per provider: the SDK builds a new tracer
+    (and its scope) on every `get_tracer`."""
     provider = _api().trace.get_tracer_provider()
     cached = _state["tracer"]
     if cached is None or cached[0] is not provider:
         sampler = getattr(provider, "sampler", None)
         drops = sampler is not None and "remoteParentNotSampled:AlwaysOffSampler" in sampler.get_description()
-        cached = _state["tracer"] = (provider, provider.get_tracer(INSTRUMENTATION), drops)
+        tracer = provider.get_tracer(INSTRUMENTATION)
+        cached = _state["tracer"] = (provider, tracer, drops, _Lean.of(tracer))
     return cached
 
 
@@ -403,16 +406,141 @@ def _with_trace(job: CompensationJob, carrier: dict[str, str]) -> CompensationJo
 # The worker -----------------------------------------------------------------------------------
 
 
+class _Lean:
+    """What the SDK's tracer does for a worker attempt's span, done without its `Span`, where the
+    tracer's configuration makes that the same span (`of` checks; any other goes the SDK's way).
+
+    Amid a real attempt (issue 17, Cost), the SDK's `start_span` and `end` cost the worker's main
+    thread about 160 us, ten times what they cost in a loop: its sampler, ids, context objects,
+    locks and bounded attributes are a lot of code that the MCP call between two attempts pushes
+    out of the caches. For a span whose parent is a sampled remote context (every traced job)
+    under the default sampler (ParentBased: such a parent is always sampled), with no span limit
+    that could cut our few attributes, no processor that acts on a span's start, and the tracer's
+    own metrics off, that work comes down to a span id, two timestamps and, at the end, the
+    `ReadableSpan` the SDK's span hands its processors: the same name, ids, parent, flags, trace
+    state, kind, attributes, status, resource and scope, so every processor and exporter the
+    OTEL_* variables configure gets what the SDK's span would have given it.
+    """
+
+    __slots__ = ("ReadableSpan", "api", "checked", "no_ops", "processor", "tracer")
+
+    def __init__(self, tracer: Any, no_ops: frozenset[Any], readable: type) -> None:
+        self.api, self.tracer, self.processor = _api(), tracer, tracer.span_processor
+        self.checked: Any = None
+        self.ReadableSpan, self.no_ops = readable, no_ops
+
+    @classmethod
+    def of(cls, tracer: Any) -> _Lean | None:
+        try:
+            from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, Tracer
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+            from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+        except ImportError:
+            return None
+        if type(tracer) is not Tracer or not isinstance(tracer.sampler, ParentBased):
+            return None
+        if getattr(tracer.sampler, "_remote_parent_sampled", None) is not ALWAYS_ON:
+            return None
+        config = getattr(tracer, "_tracer_config", None)
+        metrics = getattr(tracer, "_tracer_metrics", None)
+        limits = getattr(tracer, "_span_limits", None)
+        if config is not None and not config.is_enabled:
+            return None
+        if metrics is not None and type(metrics).__name__ != "NoOpTracerMetrics":
+            return None
+        if limits is None or limits.max_span_attribute_length is not None:
+            return None
+        if limits.max_span_attributes is not None and limits.max_span_attributes < 8:
+            return None
+        if getattr(tracer.span_processor, "_span_processors", None) is None:
+            return None
+        no_ops = frozenset(
+            getattr(kind, hook, None)
+            for kind in (SpanProcessor, BatchSpanProcessor, SimpleSpanProcessor)
+            for hook in ("on_start", "_on_ending")
+        )
+        return cls(tracer, no_ops, ReadableSpan)
+
+    def fits(self) -> bool:
+        """Whether every processor ignores a span's start and ending (checked again when one is added)."""
+        processors = self.processor._span_processors
+        if processors is not self.checked:
+            quiet = all(
+                getattr(type(p), hook, None) in self.no_ops for p in processors for hook in ("on_start", "_on_ending")
+            )
+            self.checked = processors if quiet else None
+        return self.checked is not None
+
+
+class _LeanSpan:
+    """A span `_Lean` makes: what it needs until its end, when the processors receive it."""
+
+    __slots__ = (
+        "attributes",
+        "carrier",
+        "lean",
+        "name",
+        "parent_flags",
+        "parent_id",
+        "span_id",
+        "start",
+        "state",
+        "status",
+        "trace_id",
+    )  # fmt: skip
+
+    def __init__(self, lean: _Lean, name: str, match: re.Match[str], state: str | None, attributes: dict) -> None:
+        self.start = time.time_ns()
+        self.lean, self.name, self.attributes, self.status = lean, name, attributes, None
+        self.trace_id, self.parent_id = int(match["trace"], 16), int(match["span"], 16)
+        self.parent_flags = int(match["flags"], 16)
+        self.span_id = lean.tracer.id_generator.generate_span_id()
+        # The SDK's flags for the child of a sampled parent: sampled, and the parent's random-id bit.
+        flags = 0x01 | (self.parent_flags & 0x02)
+        self.carrier = {"traceparent": f"00-{match['trace']}-{self.span_id:016x}-{flags:02x}"}
+        self.state = lean.api.TraceState.from_header([state]) if state else None
+        if self.state:
+            self.carrier["tracestate"] = self.state.to_header()
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        self.attributes.update(attributes)
+
+    def set_status(self, status: Any) -> None:
+        self.status = status
+
+    def end(self) -> None:
+        api, tracer, ended = self.lean.api, self.lean.tracer, time.time_ns()
+        flags = api.TraceFlags(0x01 | (self.parent_flags & 0x02))
+        span = self.lean.ReadableSpan(
+            self.name,
+            context=api.SpanContext(self.trace_id, self.span_id, False, flags, self.state),
+            parent=api.SpanContext(self.trace_id, self.parent_id, True, api.TraceFlags(self.parent_flags), self.state),
+            resource=tracer.resource,
+            attributes=self.attributes,
+            kind=api.CLIENT,
+            instrumentation_info=tracer.instrumentation_info,
+            instrumentation_scope=tracer._instrumentation_scope,
+            start_time=self.start,
+            end_time=ended,
+            **({"status": self.status} if self.status is not None else {}),
+        )
+        self.lean.processor.on_end(span)
+
+
 class Attempt:
     """One compensation attempt's span, or the job's context passed through when this worker does not trace.
 
     The worker's per-attempt cost of tracing (issue 17, Cost: at most 5% of its throughput) is
-    mostly the SDK's: making the span, and encoding it to protobuf in the exporter's thread, where
-    each attribute adds about 3 us to the 13-19 us of a span without any (measured here), besides
-    its cleaning and setting on the hot path. So the span carries only what a trace is read by:
-    the workflow, step and server (the operation is in its name), then the outcome, and the
-    attempt number when it is a retry (no attribute: the first attempt). The `traceparent` is
-    matched once, and the parent context built from that match without the propagator.
+    mostly the SDK's: making the span (see `_Lean`, which makes it for the usual configuration),
+    and encoding it to protobuf in the exporter's thread, where each attribute adds about 3 us to
+    the 13-19 us of a span without any (measured here), besides its cleaning and setting on the
+    hot path. So the span carries only what a trace is read by: the workflow, step and server
+    (the operation is in its name), then the outcome, and the attempt number when it is a retry
+    (no attribute: the first attempt). The `traceparent` is matched once, and the parent context
+    built from that match without the propagator.
     """
 
     __slots__ = ("carrier", "span")
@@ -427,11 +555,25 @@ class Attempt:
         if not active() or not _records(match):
             self.carrier = dict(job.trace or {})
             return
-        self.span = _tracer().start_span(
-            f"saga compensation {job.operation_id}",
+        _, tracer, _, lean = _provided()
+        name = f"saga compensation {job.operation_id}"
+        attributes = {"saga.workflow": job.workflow, "saga.step": job.step, "saga.server": job.server}
+        if (
+            lean is not None
+            and match["version"] == "00"
+            and int(match["flags"], 16) & 0x01
+            and match["trace"] != "0" * 32
+            and match["span"] != "0" * 16
+            and lean.fits()
+        ):
+            self.span = _LeanSpan(lean, name, match, (job.trace or {}).get("tracestate"), attributes)
+            self.carrier = self.span.carrier
+            return
+        self.span = tracer.start_span(
+            name,
             context=_context_of(match, job.trace or {}),
             kind=_api().CLIENT,  # the span of the tools/call itself: the server continues it from `_meta`
-            attributes={"saga.workflow": job.workflow, "saga.step": job.step, "saga.server": job.server},
+            attributes=attributes,
         )
         self.carrier = carrier_of(self.span)
 

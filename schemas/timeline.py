@@ -126,6 +126,10 @@ class TimelineEntry(FlatEntry, kw_only=True):
     steps: str | None = None
     attention: str | None = None
     detail: str | None = None
+    # The stream id of the event a `workflow-completed` entry records: two coordinators of one group
+    # may fold a workflow's last step after its completion (a `late-step`), and only the two ids
+    # (the step's is its record's `eventId`) say whether the stream had them in that order.
+    entry: str | None = None
 
     FORMATS: ClassVar[dict[str, str]] = {"at": "{:.6f}", "duration_ms": "{:.1f}"}
 

@@ -31,6 +31,7 @@ from mcp_saga.schemas.events import (
     CompensationSucceeded,
     Event,
     StepCompleted,
+    WorkflowCompleted,
     WorkflowFailed,
     encode_payload,
     entry_fields,
@@ -42,6 +43,7 @@ from processes import REPO, saga_process, start_http_server, stop, wait_for
 sys.path.insert(0, str(REPO))  # `bench` is not an installed package
 import mcp_saga
 from bench.chaos import Report, Settings, print_report, run_chaos
+from bench.chaos.verify import footprint, late_order, memory_overrun
 
 K = Keys()
 SEED = int(os.environ.get("SAGA_CHAOS_SEED", "20261129"))
@@ -89,7 +91,8 @@ def test_reduced_chaos_run_keeps_every_guarantee(tmp_path) -> None:
     assert report.statuses.get(lost, 0) == report.wiped_workflows, text
     assert all(reason.strip() for reason in report.attention.values()), text
     assert report.workflow_keys_after == 0, text
-    assert report.memory_after <= report.memory_before + report.rq_bytes_after + settings.memory_slack, text
+    memory = report.memory_detail
+    assert memory_overrun(memory["before"], memory["after"], settings.memory_slack) is None, text
 
 
 @pytest.mark.timeout(300)
@@ -118,6 +121,31 @@ def test_reduced_chaos_run_on_a_redis_cluster_keeps_every_guarantee_through_a_pr
     assert report.double_effects == 0 and report.out_of_order == 0 and report.lost_events == 0, text
     assert set(report.statuses) <= {"completed", "compensated", "needs-attention", "(terminal event not published)"}
     assert report.workflow_keys_after == 0, text
+
+
+def test_the_memory_check_counts_one_redis_once_and_flags_data_kept_outside_keys(private_redis: RedisServer) -> None:
+    """The run's two clients of one Redis (events, RQ's queue) are one server: its memory is
+    counted once, so RQ's records cover the growth they make; memory the server holds outside
+    any key (here pub/sub channel names) is still an overrun, and connections are not data."""
+    r, q = redis.Redis.from_url(private_redis.url), redis.Redis.from_url(private_redis.url)
+    before = footprint(r, K, queue=q)
+    assert before["used_memory"] < 1.5 * int(r.info("memory")["used_memory"])  # not twice the server
+    for i in range(200):
+        q.hset(f"rq:job:{i}", mapping={"data": "x" * 2000, "status": "finished"})
+    idle = [redis.Redis.from_url(private_redis.url) for _ in range(20)]
+    for client in idle:
+        client.ping()
+    after = footprint(r, K, queue=q)
+    assert after["rq_bytes"] > 400_000 and after["connections"] >= before["connections"] + 20
+    assert memory_overrun(before, after, 128 * 1024) is None, (before, after)
+    listener = redis.Redis.from_url(private_redis.url).pubsub()
+    listener.subscribe(*(f"channel:{i}:{'y' * 200}" for i in range(2000)))
+    listener.get_message(timeout=1)
+    overrun = memory_overrun(before, footprint(r, K, queue=q), 128 * 1024)
+    assert overrun is not None and "more than" in overrun
+    listener.close()
+    for client in [*idle, r, q]:
+        client.close()
 
 
 def test_readme_shows_a_full_run_with_no_double_effect_and_no_lost_event() -> None:
@@ -161,6 +189,30 @@ def test_a_step_recorded_late_by_a_redelivery_is_still_undone_last_first() -> No
             fold(f"2000-{len(undone)}", CompensationSucceeded(step=one.step, dispatch=one.dispatch))
     assert undone == ["c", "b", "a"]
     assert view.state.status == "compensated"
+
+
+def test_a_step_folded_after_its_completion_says_where_the_stream_had_it() -> None:
+    """Two coordinators of one group: the one holding the last step commits after the one that read
+    the completion. The completion's timeline entry names its stream entry, so the verifier can
+    tell this (the step was first in the stream) from a step written after the completion."""
+    machine = Machine(parse_config({}))
+    view = WorkflowView("order-10", WorkflowState(), {}, full=True)
+
+    def fold(entry_id: str, payload: object) -> None:
+        event = Event(id=entry_id, type=payload.TYPE, workflow="order-10", data=payload, raw=encode_payload(payload))
+        machine.apply(view, event, 100.0)
+
+    fold("1000-0", StepCompleted(step="a", server="svc", tool="do", result={}, recovery=RECOVERY))
+    fold("1000-2", WorkflowCompleted())
+    fold("1000-1", StepCompleted(step="b", server="svc", tool="do", result={}, recovery=RECOVERY))
+    assert view.state.status == "completed"
+    (done,) = [e for e in view.log if e.type == "workflow-completed"]
+    assert done.entry == "1000-2" and done.to_fields()["entry"] == "1000-2"
+    late = view.comps["b"]
+    assert late.status == "skipped" and "after the workflow completed" in late.reason
+    assert late_order(late.event_id, done.entry) == "before"
+    assert late_order("1000-3", done.entry) == "after"
+    assert late_order(late.event_id, None) == "unknown"
 
 
 def test_trimming_survives_pending_entries_acked_between_its_reads(r: redis.Redis, monkeypatch) -> None:

@@ -264,3 +264,42 @@ def test_the_http_side_sends_a_responses_writes_of_one_step_together() -> None:
 
     real = asyncio.run(run())
     assert real.writes[-1] == b"last words" and real.closed
+
+
+def test_transport_checks_are_remembered_only_for_headers_that_passed() -> None:
+    """The pass-through keeps the SDK's Host / Origin verdict per header values: a request whose
+    values passed before skips the check, and one with other values is still refused each time."""
+    from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
+    from mcp_saga.gateway.passthrough import PassThrough
+    from mcp_saga.gateway.proxy import Gateway
+    from mcp_saga.runtime.http_client import Upstreams
+
+    config = parse_config({"servers": {"pay": {"url": "http://127.0.0.1:9/mcp"}}})
+    settings = TransportSecuritySettings(
+        enable_dns_rebinding_protection=True, allowed_hosts=["127.0.0.1:*"], allowed_origins=["http://127.0.0.1:*"]
+    )
+    gateway = Gateway(config, Recorder(FlakyRedis(0)))  # type: ignore[arg-type]
+    endpoint = PassThrough(gateway, "pay", Upstreams(), TransportSecurityMiddleware(settings))
+
+    async def status(host: bytes, origin: bytes) -> int:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "method": "GET", "headers": [(b"host", host), (b"origin", origin)]}
+        await endpoint(scope, receive, send)
+        return sent[0]["status"]
+
+    good, evil = b"http://127.0.0.1:5000", b"http://evil.example"
+    assert asyncio.run(status(b"127.0.0.1:5000", evil)) == 403
+    assert not endpoint._passed
+    assert asyncio.run(status(b"127.0.0.1:5000", good)) == 502  # passed the checks; the upstream is down
+    assert len(endpoint._passed) == 1
+    assert asyncio.run(status(b"127.0.0.1:5000", good)) == 502
+    assert asyncio.run(status(b"127.0.0.1:5000", evil)) == 403
+    assert asyncio.run(status(b"evil.example", good)) == 421
+    assert len(endpoint._passed) == 1

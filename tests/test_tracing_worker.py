@@ -108,3 +108,63 @@ def test_jobs_dispatched_by_a_batch_of_steps_only_carry_the_steps_trace() -> Non
     assert views[0].jobs[0].trace == {"traceparent": parent}  # untraced here: handed on as it came
     assert views[1].jobs[0].trace is None
     assert tracing.trace_id("wf") == "ef" * 16
+
+
+SAME_SPAN = """
+import json
+from mcp_saga.runtime import tracing
+from mcp_saga.schemas.records import CompensationJob
+from mcp_saga.schemas.events import CompensationFailed
+from opentelemetry import trace
+from opentelemetry.sdk.trace import SpanProcessor
+
+assert tracing.setup("worker")
+job = CompensationJob(workflow="wf", step="s1", server="svc", tool="do", operation_id="undo", arguments={},
+                      idempotency_key="k", dispatch=1,
+                      trace={"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-03", "tracestate": "vendor=x"})
+failed = CompensationFailed(step="s1", dispatch=1, attempt=2, final=True, server="svc", operation_id="undo",
+                            idempotency_key="k", arguments_digest="d", duration_ms=1.0, worker="w", error="boom",
+                            retryable=False)
+carriers, kinds = [], []
+with tracing.attempt(job) as lean:
+    lean.outcome(failed)
+    carriers.append(lean.carrier)
+    kinds.append(type(lean.span).__name__)
+
+started = []
+class Starts(SpanProcessor):
+    def on_start(self, span, parent_context=None):
+        started.append(span.name)
+
+trace.get_tracer_provider().add_span_processor(Starts())
+with tracing.attempt(job) as sdk:
+    sdk.outcome(failed)
+    carriers.append(sdk.carrier)
+    kinds.append(type(sdk.span).__name__)
+tracing.shutdown()
+print(json.dumps({"carriers": carriers, "started": started, "kinds": kinds}))
+"""
+
+
+def test_the_worker_span_made_without_the_sdk_span_exports_as_the_sdk_span(tmp_path: Path) -> None:
+    """The usual configuration's attempt span skips the SDK's `Span` (runtime/tracing.py `_Lean`);
+    a processor that watches spans start makes it go the SDK's way: both export the same span."""
+    spans_file = tmp_path / "spans.jsonl"
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "SAGA_TRACES_FILE": str(spans_file)}
+    env.pop("OTEL_SDK_DISABLED", None)
+    done = subprocess.run(
+        [sys.executable, "-c", SAME_SPAN], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["kinds"] == ["_LeanSpan", "_Span"]
+    assert out["started"] == ["saga compensation undo"]  # the second attempt's start, the SDK's span
+    lean, sdk = (json.loads(line) for line in spans_file.read_text().splitlines())
+    for span, carrier in zip((lean, sdk), out["carriers"], strict=True):
+        span_id = span["context"].pop("span_id").removeprefix("0x")
+        # The parent's random-trace-id flag (02) is kept, as the SDK keeps it; the state passes on.
+        assert carrier == {"traceparent": f"00-{'ab' * 16}-{span_id}-03", "tracestate": "vendor=x"}
+        assert span.pop("start_time") <= span.pop("end_time")
+    assert lean == sdk
+    assert lean["status"] == {"status_code": "ERROR", "description": "boom"}
+    assert lean["attributes"]["saga.attempt"] == 2 and lean["parent_id"] == "0x" + "cd" * 8

@@ -67,7 +67,7 @@ class Settings:
     publish_timeout: float = 600.0  # bounded wait for the publishers
     settle_timeout: float = 180.0  # bounded wait for quiescence after the publishers finished
     expiry_timeout: float = 90.0  # bounded wait for keys to expire after quiescence
-    memory_slack: int = 1024 * 1024  # bytes above the baseline still called "back to baseline"
+    memory_slack: int = 128 * 1024  # data bytes outside keys still called "back to baseline" (verify.memory_overrun)
     seed: int | None = None
     workdir: str | None = None
     keep: bool = False
@@ -132,7 +132,10 @@ class Report:
     double_effects: int = 0
     lost_events: int = 0
     out_of_order: int = 0  # failed workflows whose undos were not applied last-first
-    late_steps: int = 0  # steps of completed workflows handled after their completion (a kill reordered them)
+    late_steps: int = 0  # steps of completed workflows handled after their completion
+    # Those by their stream entry against the completion's (verify.late_order): "before" (folded
+    # out of stream order), "after" (the step reached the stream later), "unknown".
+    late_order: dict[str, int] = field(default_factory=dict)
     # Workflows events started again after they expired (held by a coordinator paused or dead for
     # longer than the retention: README, "Not promised"), and the published steps only those have.
     restarted_workflows: int = 0
@@ -225,13 +228,23 @@ class Report:
                 f"{self.unseen_effects} (a call the orchestrator saw fail but the server ran)",
             ),
             ("keys after expiry", f"{self.workflow_keys_after} per-workflow keys"),
-            (
-                "redis memory",
-                f"{self.memory_before / 1e6:.2f} MB before, {self.memory_after / 1e6:.2f} MB after "
-                f"({self.rq_bytes_after / 1e6:.2f} MB of it RQ job records)",
-            ),
+            ("redis memory", self.memory_text()),
             ("wall time", f"{self.wall_seconds:.0f} s (quiescent {self.settle_seconds:.0f} s after the last workflow)"),
         ]
+
+    def memory_text(self) -> str:
+        """Before and after, and what the after is made of: data (RQ's records, our kept keys) and the rest by name."""
+        text = f"{self.memory_before / 1e6:.2f} MB before, {self.memory_after / 1e6:.2f} MB after"
+        before, after = self.memory_detail.get("before"), self.memory_detail.get("after")
+        if not before or "data" not in after:
+            return f"{text} ({self.rq_bytes_after / 1e6:.2f} MB of it RQ job records)"
+        kept = ", ".join(f"{name} {size / 1e3:.0f} kB" for name, size in after["ours"].items() if size >= 1000)
+        return (
+            f"{text}: data {before['data'] / 1e6:.2f} -> {after['data'] / 1e6:.2f} MB, of it "
+            f"{after['rq_bytes'] / 1e6:.2f} MB RQ job records and {after['saga_bytes'] / 1e3:.0f} kB mcp-saga's "
+            f"kept keys ({kept}); not data: {after['connections']} connections {after['clients'] / 1e6:.2f} MB, "
+            f"scripts {after['scripts'] / 1e3:.0f} kB, server overhead {after['overhead'] / 1e6:.2f} MB"
+        )
 
     def lost_events_text(self) -> str:
         notes = self.late_notes()
@@ -241,9 +254,10 @@ class Report:
         """What the "lost events" row explains: events handled late, none of them lost."""
         notes = []
         if self.late_steps:
+            where = ", ".join(f"{n} {order} it in the stream" for order, n in sorted(self.late_order.items()))
             notes.append(
-                f"{self.late_steps} steps of completed workflows were reordered by a kill "
-                "and recorded after the completion"
+                f"{self.late_steps} steps of completed workflows were recorded after the completion "
+                f"({where or 'stream order unknown'}: nothing to undo)"
             )
         if self.restarted_workflows:
             notes.append(

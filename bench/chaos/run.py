@@ -28,6 +28,7 @@ from bench.chaos.verify import (
     events_outstanding,
     footprint,
     memory_of,
+    memory_overrun,
     verify,
     worker_log_events,
 )
@@ -200,15 +201,12 @@ def run_chaos(settings: Settings, out: Out = print) -> Report:
         if after["indexed"]:
             left = ", ".join(index_entries(r, keys, unfinished)[:10])
             report.violations.append(f"{after['indexed']} index/deadline entries left after retention expiry: {left}")
-        bound = before["used_memory"] + after["rq_bytes"] + settings.memory_slack
         # On a cluster the nodes' own overhead moves with a failover (the promoted replica's
         # replication backlog, the killed primary's memory gone from the sum): keys and index
         # entries are checked there, memory only reported.
-        if after["used_memory"] > bound and not settings.redis_cluster:
-            report.violations.append(
-                f"Redis memory {after['used_memory']} B after expiry exceeds the baseline {before['used_memory']} B "
-                f"+ RQ job records {after['rq_bytes']} B + slack {settings.memory_slack} B"
-            )
+        overrun = memory_overrun(before, after, settings.memory_slack)
+        if overrun and not settings.redis_cluster:
+            report.violations.append(overrun)
         r.close()
         q.close()
     finally:

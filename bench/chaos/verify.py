@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 from mcp_saga.examples.ledger import TRANSIENT_PREFIX
+from mcp_saga.schemas.events import stream_id
 from mcp_saga.schemas.keys import DEAD_REASON, STATUSES, Keys, key_slot
 from redis.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, ClusterError, MasterDownError, TryAgainError
@@ -257,6 +258,56 @@ def memory_of(r: Any, field: str) -> int:
     return int(r.info("memory")[field])
 
 
+def clients_now(r: Any) -> tuple[int, int]:
+    """Connections and their memory (CLIENT LIST's tot-mem) at this moment: of the one Redis, or a cluster's primaries.
+
+    INFO's `mem_clients_normal` is a sum that clientsCron brings up to date about once a second
+    per client, so a connection opened or grown since (a pool that grew while the verifier ran,
+    each ~38 kB with its buffers) is missing from it and shows up in `used_memory_dataset`
+    instead; tot-mem is read from each client now.
+    """
+    nodes = [r.get_redis_connection(n) for n in r.get_primaries()] if isinstance(r, RedisCluster) else [r]
+    listed = [c for node in nodes for c in node.client_list()]
+    return len(listed), sum(int(c.get("tot-mem", 0)) for c in listed)
+
+
+def distinct(r: Any, queue: Any) -> list[Any]:
+    """The Redis servers behind `r` and `queue`, each once.
+
+    On one Redis the run's two clients (events and RQ's queue) are two objects for one server:
+    counting both summed every INFO figure twice, so the memory check compared twice the run's
+    growth with RQ's records once (the 0.15-1.2 MB "overrun" of seed 20261201). The server's
+    run_id tells them apart.
+    """
+    if queue is r:
+        return [r]
+    one = not isinstance(r, RedisCluster) and not isinstance(queue, RedisCluster)
+    if one and r.info("server")["run_id"] == queue.info("server")["run_id"]:
+        return [r]
+    return [r, queue]
+
+
+def memory_overrun(before: dict[str, Any], after: dict[str, Any], slack: int) -> str | None:
+    """Whether memory came back: what the data grew by, against what is allowed to stay, or None.
+
+    Allowed: RQ's own job records (kept an hour, or a week if failed) and mcp-saga's keys kept by
+    design (the events streams and their group, outcomes and dead letters, capped by their
+    `maxlen`, the index keys, the keys of workflows never signalled, kept until `idle_ttl`), each
+    measured by MEMORY USAGE, plus `slack` for what the server keeps outside keys (tens of kB).
+    The connections, scripts and the server's own overhead are not data: `footprint` names them.
+    """
+    grown = after["data"] - before["data"]
+    kept = (after["rq_bytes"] - before["rq_bytes"]) + (after["saga_bytes"] - before["saga_bytes"])
+    kept += after["other_bytes"] - before["other_bytes"]
+    if grown <= kept + slack:
+        return None
+    return (
+        f"Redis data grew by {grown} B after expiry, more than the {kept} B of keys it keeps "
+        f"(RQ job records {after['rq_bytes']} B, mcp-saga's {after['saga_bytes']} B, other {after['other_bytes']} B) "
+        f"+ slack {slack} B"
+    )
+
+
 def footprint(
     r: Any, keys: Keys, ignore: frozenset[str] = frozenset(), *, queue: redis.Redis | None = None
 ) -> dict[str, Any]:
@@ -266,8 +317,15 @@ def footprint(
     `running` until `idle_ttl`, as documented, so their keys are not expected to expire here.
     `queue` is RQ's Redis when it is not `r` (a cluster's): RQ's records are counted there, and
     memory on a cluster is the sum over its primaries.
+
+    `data` is what the check compares: `used_memory` less the server's own overhead (start-up
+    memory, the keyspace's hash tables, scripts, AOF buffer, replication backlog) and less the
+    connections' memory as it is now (see `clients_now`). What is left is the keys' values and
+    names plus a few tens of kB the server keeps outside keys (per-command latency histograms,
+    the slow log, pub/sub channel names); the other parts are reported beside it, by name.
     """
     queue = r if queue is None else queue
+    servers = distinct(r, queue)
     workflow_keys = 0
     for key in r.scan_iter(match=keys.workflow_pattern(), count=1000):
         tag = key.decode(errors="replace").partition("{")[2].rpartition("}")[0]
@@ -283,37 +341,53 @@ def footprint(
         for key in [*(k.index(s) for s in STATUSES), k.deadlines]
         for m in r.zrange(key, 0, -1)
     )
-    # Redis 7 keeps a latency histogram (~25 kB) per command name ever run, which would count the
-    # commands this run used, not its data: statistics only, reset before each measurement.
-    for client in {id(r): r, id(queue): queue}.values():
-        client.config_resetstat()
-    fields = ("used_memory", "used_memory_dataset", "used_memory_overhead", "mem_clients_normal", "used_memory_scripts")
-    memory = {name: memory_of(r, name) for name in fields}
-    if queue is not r:  # RQ's records count against the baseline as on one Redis
-        memory = {name: value + memory_of(queue, name) for name, value in memory.items()}
-    saga_bytes = sum(r.memory_usage(k, samples=0) or 0 for k in r.scan_iter(match=f"{keys.prefix}:*", count=1000))
+    # Ours by key, per-workflow keys (those of `ignore`) summed under one name: what is kept by design
+    # (the events streams with their group, the dead letters, the outcomes) is named with its size.
+    ours: dict[str, int] = {}
+    for key in r.scan_iter(match=f"{keys.prefix}:*", count=1000):
+        name = key.decode(errors="replace")
+        name = f"{keys.prefix}:{{workflow}}:*" if "{" in name and "}:" in name and ":index:" not in name else name
+        ours[name] = ours.get(name, 0) + (r.memory_usage(key, samples=0) or 0)
     # Anything else (neither ours nor RQ's), by the first part of its name: a memory overrun says whose it is.
     other: dict[str, int] = {}
-    for client in {id(r): r, id(queue): queue}.values():
+    for client in servers:
         for key in client.scan_iter(count=1000):
             name = key.decode(errors="replace")
             if not name.startswith((f"{keys.prefix}:", "rq:")):
                 head = name.split(":", 1)[0]
                 other[head] = other.get(head, 0) + (client.memory_usage(key, samples=0) or 0)
+    slowlog = sum(len(client.slowlog_get(1024)) for client in servers if not isinstance(client, RedisCluster))
+    # Redis 7 keeps a latency histogram (~25 kB) per command name ever run, which would count the
+    # commands this run used, not its data: statistics only, reset just before the measurement.
+    for client in servers:
+        client.config_resetstat()
+    connections, clients = 0, 0
+    for client in servers:
+        n, size = clients_now(client)
+        connections, clients = connections + n, clients + size
+    fields = ("used_memory", "used_memory_dataset", "used_memory_overhead", "mem_clients_normal", "used_memory_scripts")
+    memory = {name: sum(memory_of(client, name) for client in servers) for name in fields}
+    overhead = memory["used_memory_overhead"] - memory["mem_clients_normal"]
     return {
         "used_memory": memory["used_memory"],
+        "data": memory["used_memory"] - overhead - clients,
         "dataset": memory["used_memory_dataset"],
-        "overhead": memory["used_memory_overhead"],
-        "clients": memory["mem_clients_normal"],
+        "overhead": overhead,
+        "clients": clients,
+        "connections": connections,
+        "clients_counted": memory["mem_clients_normal"],
         "scripts": memory["used_memory_scripts"],
-        "saga_bytes": saga_bytes,
+        "slowlog": slowlog,
+        "saga_bytes": sum(ours.values()),
+        "ours": dict(sorted(ours.items(), key=lambda kv: -kv[1])[:8]),
         "other_bytes": sum(other.values()),
         "other": dict(sorted(other.items(), key=lambda kv: -kv[1])[:5]),
-        "keys": sum(keys_in(c) for c in {id(r): r, id(queue): queue}.values()),
+        "keys": sum(keys_in(c) for c in servers),
         "workflow_keys": workflow_keys,
         "indexed": indexed,
         "rq_bytes": rq_bytes,
         "events": sum(r.xlen(k.events) for k in keys.every()),
+        "dead_letters": sum(r.xlen(k.dead_letter) for k in keys.every()),
     }
 
 
@@ -349,6 +423,21 @@ def worker_log_events(workdir: Path) -> list[dict[str, Any]]:
                 with contextlib.suppress(ValueError):
                     events.append(json.loads(line))
     return events
+
+
+def late_order(step_entry: str | None, completion_entry: str | None) -> str:
+    """Where a step recorded after its workflow's completion stood in the stream, against the completion.
+
+    "before": the stream had the step first and coordinators folded them out of order (the
+    completion has no barrier: it carries no step count, and a completed workflow has nothing to
+    undo); "after": the step's write reached the stream after the completion's; "unknown": an id
+    is missing (a timeline of an older coordinator, or an entry cut from it).
+    """
+    if not step_entry or not completion_entry:
+        return "unknown"
+    with contextlib.suppress(ValueError):
+        return "before" if stream_id(step_entry) < stream_id(completion_entry) else "after"
+    return "unknown"
 
 
 def verify(
@@ -441,12 +530,17 @@ def verify(
         status = snap.state.get("status", "?")
         statuses[status] += 1
         recorded = snap.steps
+        completion = next((e.get("entry") for e in snap.log if e.get("type") == "workflow-completed"), None)
         for step in steps:
             comp = snap.comps.get(step["step"])
             if comp is not None:
-                # A step claimed from a killed coordinator after another one completed the workflow
-                # is recorded as such: in the history, nothing to undo.
-                report.late_steps += "after the workflow completed" in (comp.get("reason") or "")
+                # A step handled after another coordinator completed the workflow (claimed from a
+                # killed one, or folded by a second healthy one whose batch committed later) is
+                # recorded as such: in the history, nothing to undo. The stream ids say which.
+                if "after the workflow completed" in (comp.get("reason") or ""):
+                    report.late_steps += 1
+                    order = late_order(comp.get("eventId"), completion)
+                    report.late_order[order] = report.late_order.get(order, 0) + 1
                 continue
             if any(step["step"] in again.comps for again in later.get(workflow, {}).values()):
                 report.restarted_steps += 1  # handled after the workflow expired: a new incarnation has it
