@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
-from mcp_saga.coordinator.queue import enqueue, queue_for
+from mcp_saga.coordinator.queue import enqueue_all, queue_for
 from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, gone_item, index_item
 from mcp_saga.runtime import metrics, tracing
 from mcp_saga.runtime.connect import check_layout
@@ -540,8 +540,8 @@ class Coordinator:
                     if (job.workflow, job.step, job.dispatch) not in known:
                         jobs.append(job)
         queued = 0
-        for job in jobs:
-            if enqueue(self.queue, job, self.config.worker):
+        for job, fresh in zip(jobs, enqueue_all(self.queue, jobs, self.config.worker), strict=True):
+            if fresh:
                 queued += 1
                 for one in (job, *job.then):  # a routing slip's steps are dispatches too
                     metrics.dispatched(one)

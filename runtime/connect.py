@@ -10,7 +10,10 @@ not run on a cluster.
 `Lua` runs one script the same way on both: redis-py's cluster pipeline refuses EVALSHA and
 `eval()`, and a replica promoted by a failover need not have a script cached (Redis 7 does not
 replicate SCRIPT LOAD), so on a cluster the script text goes with each call (EVAL, which Redis
-caches by digest); on one Redis it stays redis-py's EVALSHA with the script loaded on NOSCRIPT.
+caches by digest); on one Redis it stays redis-py's EVALSHA with the script loaded on NOSCRIPT,
+except inside a pipeline: there redis-py sends SCRIPT EXISTS first, a round trip of its own before
+every pipeline with a script in it (the coordinator's commit, on the path from a failure to its
+compensation), so a pipeline carries the text too (a few KiB, which Redis hashes to its cache entry).
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class Lua:
 
     def __call__(self, keys: list[str] | tuple[str, ...], args: list[Any], client: Any = None) -> Any:
         """Run it on `client` (a pipeline, say), else on the client it was made for."""
-        if self._script is not None:
+        if self._script is not None and not isinstance(client, redis.client.Pipeline):
             return self._script(keys=keys, args=args, client=client)
         return evaluate(client or self.client, self.text, keys, args)
 

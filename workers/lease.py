@@ -48,6 +48,9 @@ class _Keeper:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        # When the thread will look again by itself: a lease due later needs no wake-up, which would
+        # cost the attempt that holds it a GIL hand-over just before its call.
+        self._asleep_until = float("inf")
 
     def add(self, lease: Lease) -> None:
         with self._lock:
@@ -55,7 +58,9 @@ class _Keeper:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="lease-heartbeat", daemon=True)
                 self._thread.start()
-        self._wake.set()  # it may be asleep until a later renewal than this lease's first
+            early = lease.renew_at < self._asleep_until
+        if early:  # asleep until a later renewal than this lease's first
+            self._wake.set()
 
     def remove(self, lease: Lease) -> None:
         with self._lock:
@@ -70,7 +75,11 @@ class _Keeper:
                 self._renew(due)
             with self._lock:
                 pending = [lease.renew_at for lease in self._leases.values()]
-            self._wake.wait(max(0.01, min(pending) - time.monotonic()) if pending else 1.0)
+                wait = max(0.01, min(pending) - time.monotonic()) if pending else 1.0
+                self._asleep_until = time.monotonic() + wait
+            self._wake.wait(wait)
+            with self._lock:
+                self._asleep_until = float("inf")  # awake: a lease added now is seen by the next look
             self._wake.clear()
 
     def _renew(self, due: list[Lease]) -> None:
