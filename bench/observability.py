@@ -146,6 +146,7 @@ OFF_TRACING = SimpleNamespace(
     transitions=_noop,
     attempt=lambda *_: nullcontext(),
     continued=lambda *_: nullcontext(),
+    sdk_spans=lambda: False,
 )
 
 
