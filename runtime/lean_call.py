@@ -98,7 +98,7 @@ class LeanChannel:
         """What `client.call_tool(name, arguments, meta=meta)` returns, with the same errors."""
         session = client.session
         try:
-            return await self._call(client, name, arguments, meta, None, None)
+            return await self._call(client, name, arguments, meta)
         except MCPError as mismatch:
             if mismatch.code != HEADER_MISMATCH or session.protocol_version not in MODERN_PROTOCOL_VERSIONS:
                 raise
@@ -108,7 +108,7 @@ class LeanChannel:
                     await client._relist_tool(name)
             except (MCPError, TimeoutError, ValueError) as relist_error:
                 raise mismatch from relist_error
-            return await self._call(client, name, arguments, meta, None, None)
+            return await self._call(client, name, arguments, meta)
 
     async def _call(
         self,
@@ -116,8 +116,6 @@ class LeanChannel:
         name: str,
         arguments: dict[str, Any],
         meta: dict[str, Any] | None,
-        input_responses: types.InputResponses | None,
-        request_state: str | None,
     ) -> types.CallToolResult:
         session = client.session
         raw = await self.send(session, name, arguments, meta)
