@@ -1,11 +1,13 @@
 """What a tool call costs through `saga gateway` against the same call made directly, at a 2 ms tool.
 
-    python -m bench.gateway [--calls 100] [--rounds 15] [--no-intents] [--profile OUT.svg] [--redis URL]
+    python -m bench.gateway [--calls 100] [--rounds 15] [--no-intents] [--intents-off-too] [--profile OUT.svg]
+        [--redis URL]
 
 The upstream is bench.publisher's server over streamable HTTP (one tool sleeping 2 ms that
 declares its compensation); the gateway is a real `saga gateway` process in front of it, which
 forwards each call and records it: the intent awaited before forwarding (one XADD round trip on the
-call's path; `--no-intents` turns it off to measure its share), the step-completed after the answer.
+call's path; `--no-intents` turns it off, `--intents-off-too` runs one gateway each way in the same rounds
+to measure its share, as the suite's rows do), the step-completed after the answer.
 
 On a shared machine the wall-clock of one run says more about the neighbours than about the code,
 so the figures are built to resist load. Rounds are paired: each round is one batch of direct
@@ -16,7 +18,8 @@ their spread. Beside it, the gateway process's CPU per call (its threads' time o
 what the gateway adds to a call on a free core is about that CPU plus the intent's round trip.
 `--profile` records the gateway with py-spy during the measured rounds (py-spy must be installed), only
 while it holds the GIL: its CPU work, not its waits. `--loops asyncio,uvloop` runs one gateway per
-event loop, and `--base-python` one more of an earlier version, all in the same rounds.
+event loop, and `--base-python` one more of an earlier version, all in the same rounds (each is then
+also given as its rounds' ratios to the base's: time and CPU, median and quartiles).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from bench.publisher import DELAY
 from bench.table import Row
 
 PREFIX = "benchgw"  # its own stream, deleted afterwards
+INTENTS_OFF = "intents-off"  # the gateway measured beside the default one without the awaited intent
 
 
 def cpu_ns(pid: int) -> int:
@@ -78,6 +82,12 @@ class Rounds:
 
     def ratios(self, name: str) -> list[float]:
         return [through / direct for direct, through in zip(self.direct, self.gateways[name].times, strict=True)]
+
+    def intent_ms(self, name: str) -> tuple[float, float, float]:
+        """Quartiles of the rounds' differences between gateway `name` and its intents-off twin, ms per call:
+        the awaited intent's share of a call, measured in the same rounds."""
+        on, off = self.gateways[name].times, self.gateways[INTENTS_OFF].times
+        return quartiles([(a - b) * 1000 for a, b in zip(on, off, strict=True)])
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -148,8 +158,11 @@ def timings(
     profile: Path | None = None,
     profile_rate: int = 250,
     base_python: str | None = None,
+    intents_off: bool = False,
 ) -> Rounds:
-    """One gateway per event loop in `loops` (named by it), all before one upstream, measured in the same rounds."""
+    """One gateway per event loop in `loops` (named by it), all before one upstream, measured in the same rounds.
+    `intents_off`: one more, `intents-off`, on the first loop with `[gateway] intents = false`, so the same
+    rounds separate the gateway's own overhead from the awaited intent's round trip."""
     import redis
     from mcp_saga.cli.procs import free_port, saga_process, start_http_server, stop, wait_until_accepting
     from mcp_saga.schemas.config import parse_config, write_config
@@ -160,13 +173,16 @@ def timings(
         contextlib.ExitStack() as stack,
     ):
         processes, urls = {}, {}
-        for loop in loops:
+        variants = [(loop, loop, intents) for loop in loops]
+        if intents_off:
+            variants.append((INTENTS_OFF, loops[0], False))
+        for name, loop, with_intents in variants:
             port = free_port()
-            gateway_settings: dict[str, object] = {"port": port, "allow_anonymous": True, "intents": intents}
+            gateway_settings: dict[str, object] = {"port": port, "allow_anonymous": True, "intents": with_intents}
             if loop != "base":
                 gateway_settings["loop"] = loop
             settings = {"servers": {"bench": {"url": upstream}}, "gateway": gateway_settings}
-            config = write_config(parse_config({"prefix": PREFIX, **settings}), Path(tmp) / f"{loop}.toml")
+            config = write_config(parse_config({"prefix": PREFIX, **settings}), Path(tmp) / f"{name}.toml")
             env = {"SAGA_LOG_LEVEL": "WARNING"}
             if loop == "base":  # an earlier version, installed for `base_python`, on its default loop
                 environment = {**os.environ, "REDIS_URL": redis_url, "SAGA_CONFIG": str(config), **env}
@@ -174,10 +190,10 @@ def timings(
                 process = subprocess.Popen(command, cwd=tmp, env=environment, stdout=subprocess.DEVNULL)
             else:
                 process = saga_process("gateway", redis_url=redis_url, config=config, env=env)
-            processes[loop] = process
+            processes[name] = process
             stack.callback(stop, process)
             wait_until_accepting("127.0.0.1", port, process)
-            urls[loop] = f"http://127.0.0.1:{port}/mcp/bench"
+            urls[name] = f"http://127.0.0.1:{port}/mcp/bench"
         if profile is not None:
             spy = _profiler(processes[loops[0]].pid, profile, profile_rate)
 
@@ -206,13 +222,17 @@ def _cpu_counter(pid: int) -> Callable[[], int]:
 
 
 def rows(redis_url: str, *, calls: int = 100, rounds: int = 15) -> list[Row]:
-    """The suite's rows: the median of paired rounds' ratios (through / direct), and the gateway's CPU per call."""
-    measured = timings(redis_url, calls=calls, rounds=rounds)
-    (loop,) = measured.gateways
-    side = measured.gateways[loop]
+    """The suite's rows: the median of paired rounds' ratios (through / direct), and the gateway's CPU per call;
+    each also for a gateway with intents off in the same rounds, which separates the gateway's own overhead
+    from the awaited intent's round trip (as the publisher's rows do), and their difference per call."""
+    measured = timings(redis_url, calls=calls, rounds=rounds, intents_off=True)
+    (loop,) = set(measured.gateways) - {INTENTS_OFF}
+    side, off = measured.gateways[loop], measured.gateways[INTENTS_OFF]
     low, ratio, high = quartiles(measured.ratios(loop))
+    off_low, off_ratio, off_high = quartiles(measured.ratios(INTENTS_OFF))
     direct, through = statistics.median(measured.direct) * 1000, statistics.median(side.times) * 1000
-    cpu = statistics.median(side.cpu) * 1000
+    cpu, off_cpu = statistics.median(side.cpu) * 1000, statistics.median(off.cpu) * 1000
+    intent_low, intent, intent_high = measured.intent_ms(loop)
     tool = f"{DELAY * 1000:g} ms tool"
     return [
         Row(
@@ -225,11 +245,35 @@ def rows(redis_url: str, *, calls: int = 100, rounds: int = 15) -> list[Row]:
             paired=ratio,
         ),
         Row(
+            f"gateway, intents off: tools/call at a {tool}, HTTP (ms), median of the same rounds' ratios "
+            f"(quartiles {off_low:.2f}-{off_high:.2f})",
+            statistics.median(off.times) * 1000,
+            direct,
+            "<= 1.10",
+            off_ratio <= 1.1,
+            paired=off_ratio,
+        ),
+        Row(
+            "gateway: the awaited intent, per call (ms), median of the rounds' differences",
+            intent,
+            None,
+            "reported",
+            None,
+            spread=(intent_low, intent_high),
+        ),
+        Row(
             f"gateway: its process's CPU per call at a {tool} (ms), share of a direct call",
             cpu,
             direct,
             "<= 0.10",
             cpu <= 0.1 * direct,
+        ),
+        Row(
+            f"gateway, intents off: its process's CPU per call at a {tool} (ms), share of a direct call",
+            off_cpu,
+            direct,
+            "reported",
+            None,
         ),
     ]
 
@@ -240,6 +284,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=15, help="rounds (at least 7)")
     parser.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL, else a private one")
     parser.add_argument("--no-intents", action="store_true", help="[gateway] intents = false: no awaited intent")
+    parser.add_argument(
+        "--intents-off-too",
+        action="store_true",
+        help=f"one more gateway, `{INTENTS_OFF}`, with intents = false, in the same rounds (as the suite's rows)",
+    )
     parser.add_argument(
         "--loops", default=None, help="one gateway per [gateway] loop named (comma-separated), in the same rounds"
     )
@@ -270,9 +319,10 @@ def main(argv: list[str] | None = None) -> None:
             profile=args.profile,
             profile_rate=args.profile_rate,
             base_python=args.base_python,
+            intents_off=args.intents_off_too,
         )
     direct = statistics.median(measured.direct)
-    order = "AB, BA, ..." if len(loops) == 1 else "order rotating"
+    order = "AB, BA, ..." if len(measured.gateways) == 1 else "order rotating"
     print(f"tool sleeps {DELAY * 1000:g} ms, streamable HTTP, {args.rounds} rounds ({order}) of {args.calls} calls")
     print(f"each way; intents {'off' if args.no_intents else 'on'}; load average {load:.2f} at start, ", end="")
     print(f"{os.getloadavg()[0]:.2f} at the end")
@@ -281,13 +331,30 @@ def main(argv: list[str] | None = None) -> None:
         ratios = measured.ratios(loop)
         low, ratio, high = quartiles(ratios)
         cpu, cpus = statistics.median(side.cpu), [c * 1000 for c in side.cpu]
-        print("gateway of --base-python:" if loop == "base" else f"gateway on the {loop} loop:")
+        if loop == "base":
+            print("gateway of --base-python:")
+        elif loop == INTENTS_OFF:
+            print(f"gateway on the {loops[0]} loop, intents off:")
+        else:
+            print(f"gateway on the {loop} loop:")
         print(f"{'  through gateway ms':28}{statistics.median(side.times) * 1000:10.3f}   (median round)")
         print(f"{'  ratio, median of rounds':28}{ratio:10.3f}   quartiles {low:.3f}-{high:.3f}")
         print(f"{'':28}{'':10}   range {min(ratios):.3f}-{max(ratios):.3f}")
         print(f"{'  gateway CPU ms/call':28}{cpu * 1000:10.3f}   rounds {min(cpus):.3f}-{max(cpus):.3f}")
         print(f"{'  gateway CPU / direct call':28}{cpu / direct:10.3f}   {side.kernel_share:.0%} of it in the kernel")
         print("  rounds' ratios: " + " ".join(f"{r:.2f}" for r in ratios))
+    if INTENTS_OFF in measured.gateways:  # the same rounds' differences: the intent's share of a call
+        low, median, high = measured.intent_ms(loops[0])
+        print(f"the awaited intent, ms per call, median of rounds' differences: {median:.3f} ({low:.3f}-{high:.3f})")
+    if "base" in measured.gateways:  # each gateway against the base in the same round: the pairs' own ratios
+        base = measured.gateways["base"]
+        for loop, side in measured.gateways.items():
+            if loop == "base":
+                continue
+            times = quartiles([a / b for a, b in zip(side.times, base.times, strict=True)])
+            cpus = quartiles([a / b for a, b in zip(side.cpu, base.cpu, strict=True)])
+            print(f"{loop} / base, median of rounds: time {times[1]:.3f} ({times[0]:.3f}-{times[2]:.3f}),", end="")
+            print(f" CPU {cpus[1]:.3f} ({cpus[0]:.3f}-{cpus[2]:.3f}) (quartiles)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """What metrics and tracing cost: ingest and worker throughput with them on and off, in the same run.
 
     python -m bench.observability [--workflows 500] [--steps 10] [--jobs 300] [--rounds 9]
-                                  [--worker-rounds 80] [--block 10] [--parts ingest,attempt,worker]
+                                  [--worker-rounds 24] [--turns 12] [--block 10]
+                                  [--parts ingest,attempt,worker]
 
 "Off" replaces the hooks in the coordinator, the worker and the session pool with no-ops, so it
 is the code without instrumentation; "on" is what production runs with both on: every counter and
@@ -23,9 +24,10 @@ work shares the cores).
     job's CPU, is not there to dilute it): its CPU, with every attempt traced and with 1 in 10;
     and the hooks alone (one attempt's span, exported and flushed, its metrics), as a share.
 (c) one worker process (one slot) over streamable HTTP, every job carrying a trace context, its
-    jobs in blocks of `--block` that take turns at off, on and off again (`--worker-rounds`
-    rounds, two more of warm-up left out): its CPU per compensation, measured inside it, and
-    compensations/s. Separate processes per mode drifted apart as far as the effect.
+    jobs in blocks of `--block` that take turns at off, on and off again; a round's figure per
+    mode is the mean over its `--turns` turns (`--worker-rounds` rounds, two turns of warm-up left
+    out): its CPU per compensation, measured inside it, and compensations/s. Separate processes
+    per mode drifted apart as far as the effect.
 Target: on / off <= 1/0.95 for CPU, >= 0.95 for rates. `--parts` runs some of the parts only.
 """
 
@@ -334,21 +336,32 @@ def ingest_rows(url: str, workflows: int, steps: int, rounds: int) -> list[Row]:
 MODES = ("off", "on", "again")
 
 
+TURNS = 12  # a worker round's turns: each of `order`'s six orders twice
+
+
 def mode_of(block: int) -> str:
-    """The mode of the `block`-th block of jobs: rounds of three blocks, in the `order` of their round."""
+    """The mode of the `block`-th block of jobs: turns of three blocks, in the `order` of their turn."""
     return order(MODES, block // len(MODES))[block % len(MODES)]
 
 
-def worker_rows(url: str, rounds: int, block: int, warm: int, otel: dict[str, str]) -> list[Row]:
+def worker_rows(url: str, rounds: int, block: int, warm: int, otel: dict[str, str], turns: int = TURNS) -> list[Row]:
     """One worker process whose jobs take turns, in blocks of `block`, at off, on and off again.
 
     Separate processes per mode (one per round) gave an A/A as far from 1 as the effect: the load
     moved between processes seconds apart. Here the modes alternate every tenth of a second or so in
-    one process, which measures each job's CPU (see `worker_process`); `warm` rounds are left out.
+    one process, which measures each job's CPU (see `worker_process`); `warm` turns are left out.
+
+    A round is `turns` turns, and its figure per mode is the mean over its blocks: the CPU of one
+    job moves by a fifth from one job to the next on this box, and slowly (successive jobs
+    correlate at 0.85, ten jobs apart still at 0.6), so that a round of one turn, ten jobs a mode,
+    gave per-round ratios with quartiles 8-10% apart, the A/A's as wide as the effect. Short
+    blocks keep the modes side by side within the drift; the mean of many of them per round
+    averages out the rest (quartiles 2.5% apart at twelve turns on a quiet box, 4-8% on a busy
+    one), and the round's ratio is then one of totals, as a job's cost is.
     """
     this = [sys.executable, "-m", "bench.observability", "--worker-process"]
     carrier = {"traceparent": _trace().traceparent}
-    jobs = (rounds + warm) * len(MODES) * block
+    jobs = (rounds * turns + warm) * len(MODES) * block
     with ExitStack() as stack:
         target = stack.enter_context(start_http_server(TRIVIAL))[1]
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -358,17 +371,12 @@ def worker_rows(url: str, rounds: int, block: int, warm: int, otel: dict[str, st
         write_config(one_slot, config)
         redis = Redis.from_url(url)
         command = [*this, str(block), str(cpu_file)]
-        work.run_workers(redis, url, config, jobs, 1, command=command, trace=carrier, env=otel)
+        work.run_workers(redis, url, config, jobs, 1, command=command, trace=carrier, env=otel, sample=False)
         redis.flushdb()
         redis.close()
         measured = json.loads(cpu_file.read_text())
-    cpu: Runs = {mode: [] for mode in MODES}
-    rates: Runs = {mode: [] for mode in MODES}
-    for n, mode, us, seconds, spans in measured["blocks"]:
-        if n >= warm * len(MODES):  # whole rounds, so that each round's three blocks pair up
-            cpu[mode].append(us + measured["export_us_per_span"] * spans / block)
-            rates[mode].append(block / seconds)
     assert not any(spans for _, mode, *_, spans in measured["blocks"] if mode != "on"), "a span with the hooks off"
+    cpu, rates = per_round(measured["blocks"], measured["export_us_per_span"], block, warm, turns)
     limit = f"<= {1 / TARGET:.2f}"
     return [
         base_row("worker process, CPU per compensation, off (us)", cpu, "off"),
@@ -380,6 +388,29 @@ def worker_rows(url: str, rounds: int, block: int, warm: int, otel: dict[str, st
         compared("worker process, compensations/s, off again: the noise", rates, "again", "off", "", True),
         compared("worker process, on (compensations/s)", rates, "on", "off", f">= {TARGET}", True),
     ]
+
+
+def per_round(
+    blocks: list[list[Any]], export_us_per_span: float, block: int, warm: int, turns: int
+) -> tuple[Runs, Runs]:
+    """Each mode's CPU per job (its spans' export charged back) and jobs/s, per round of `turns`
+    turns after the `warm` ones: whole turns only, so that a round's three modes pair up."""
+    cpu: Runs = {mode: [] for mode in MODES}
+    rates: Runs = {mode: [] for mode in MODES}
+    spent: dict[tuple[int, str], list[float]] = {}
+    for n, mode, us, seconds, spans in blocks:
+        turn = n // len(MODES) - warm
+        if turn >= 0:
+            figures = spent.setdefault((turn // turns, mode), [0.0, 0.0, 0])
+            figures[0] += us + export_us_per_span * spans / block
+            figures[1] += seconds
+            figures[2] += 1
+    for (_, mode), (us, seconds, count) in sorted(spent.items()):
+        if count == turns:
+            cpu[mode].append(us / count)
+            rates[mode].append(block * count / seconds)
+    assert len({len(figures) for figures in cpu.values()}) == 1, "a round without all of its blocks"
+    return cpu, rates
 
 
 class WorkerHooks:
@@ -532,7 +563,8 @@ def rows(
     steps: int = 10,
     jobs: int = 300,
     rounds: int = 9,
-    worker_rounds: int = 80,
+    worker_rounds: int = 24,
+    turns: int = TURNS,
     block: int = 10,
     parts: tuple[str, ...] = PARTS,
 ) -> list[Row]:
@@ -546,7 +578,7 @@ def rows(
         if "attempt" in parts:
             found += attempt_cpu_rows(url, jobs, rounds * 2)
         if "worker" in parts:
-            found += worker_rows(url, max(2, worker_rounds), block, 2, otel)
+            found += worker_rows(url, max(2, worker_rounds), block, 2, otel, max(1, turns))
     return found
 
 
@@ -604,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--jobs", type=int, default=300, help="attempts per in-process round (a quarter of it)")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds of ingest (the attempts: twice)")
-    parser.add_argument("--worker-rounds", type=int, default=80, help="rounds of the worker process's blocks")
+    parser.add_argument("--worker-rounds", type=int, default=24, help="rounds of the worker process's turns")
+    parser.add_argument("--turns", type=int, default=TURNS, help="turns (a block of each mode) per worker round")
     parser.add_argument("--block", type=int, default=10, help="jobs per block in the worker process")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {', '.join(PARTS)}")
     args = parser.parse_args(argv)
@@ -614,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     with resolve_redis(None) as url:
         found = rows(
             url, workflows=args.workflows, steps=args.steps, jobs=args.jobs, rounds=args.rounds,
-            worker_rounds=args.worker_rounds, block=args.block, parts=parts,
+            worker_rounds=args.worker_rounds, turns=args.turns, block=args.block, parts=parts,
         )  # fmt: skip
     print_table(found, f"metrics and tracing: on vs off, same run, load average {os.getloadavg()[0]:.2f}")
     return 0

@@ -115,8 +115,13 @@ def run_workers(
     env: dict[str, str] | None = None,
     trace: dict[str, str] | None = None,
     cwd: Path = REPO,
+    sample: bool = True,
 ) -> Run:
-    """Fill the queue, run `workers` processes in burst mode over it; `cwd`: the checkout they run from."""
+    """Fill the queue, run `workers` processes in burst mode over it; `cwd`: the checkout they run from.
+
+    `sample=False`: the processes are only waited for, their CPU not sampled (nan), for a caller
+    that measures inside them: the sampling reads /proc and asks Redis every 3 ms, work that
+    shares the cores with the processes measured."""
     redis.flushdb()
     keys, settings = Keys(PREFIX), WorkerSettings()
     queue = Queue(keys.queue, connection=redis)
@@ -132,7 +137,7 @@ def run_workers(
         for i in range(workers)
     ]
     try:
-        cpu_us = _cpu_per_report(redis, keys.events, jobs, procs)
+        cpu_us = _cpu_per_report(redis, keys.events, jobs, procs) if sample else _waited(procs)
     finally:
         stop_all(*procs)
     entries = redis.xrange(keys.events)
@@ -181,6 +186,13 @@ def _cpu_per_report(redis: Redis, events: str, jobs: int, procs: list[subprocess
     if start is None or last is None or last[0] <= start[0]:
         return float("nan")
     return (last[1] - start[1]) / (last[0] - start[0]) * 1e6
+
+
+def _waited(procs: list[subprocess.Popen[bytes]]) -> float:
+    deadline = time.monotonic() + 300
+    for proc in procs:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    return float("nan")
 
 
 def plant(redis: Redis, jobs: int, trace: dict[str, str] | None = None, first: int = 0) -> list[CompensationJob]:

@@ -79,7 +79,11 @@ def render_snapshot(snapshot: WorkflowSnapshot, last: int | None) -> None:
     out.print(render.pairs(f"workflow {snapshot.workflow}", _state_rows(snapshot)))
     columns = "#, step, server, tool, result, undo, completed"
     out.print(
-        render.table("step stack (completion order)", columns, [_step_row(n, s) for n, s in enumerate(snapshot.steps)])
+        render.table(
+            "step stack (in the order the calls started, when announced; else completed)",
+            columns,
+            [_step_row(n, s) for n, s in enumerate(snapshot.steps)],
+        )
     )
     columns = "#, step, status, server, operation, source, attempts, dispatch, key, error / reason, flags"
     out.print(
@@ -119,19 +123,30 @@ def _step_row(n: int, step: Any) -> tuple[Any, ...]:
     recovery = step.get("recovery")
     operation = recovery.get("compensatingOperation") if isinstance(recovery, dict) else None
     completed = step.get("completedAt")
+    if "result" in step:
+        result = render.text(result_summary(step.get("result")), 60)
+    else:  # an intent no answer settled: the call may or may not have taken effect
+        result, completed = "no answer recorded (announced)", f"started {step.get('startedAt') or ''}".strip()
     return (
         n,
         step.get("step"),
         step.get("server"),
         step.get("tool"),
-        render.text(result_summary(step.get("result")), 60),
+        result,
         operation.get("operationId") if isinstance(operation, dict) else "",
         render.when(completed) if isinstance(completed, int | float) else completed,
     )
 
 
 def _comp_row(c: Compensation) -> tuple[Any, ...]:
-    flags = " ".join(flag for flag, on in (("late", c.late), ("approved", c.approved)) if on)
+    marks = (
+        ("late", c.late),
+        ("approved", c.approved),
+        ("in doubt", c.in_doubt),
+        ("recall", c.kind == "recall"),
+        ("awaits live declaration", c.kind == "declaration"),
+    )
+    flags = " ".join(flag for flag, on in marks if on)
     return (
         c.seq,
         c.step,

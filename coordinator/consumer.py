@@ -33,7 +33,7 @@ from mcp_saga.schemas.records import Compensation, job_id_for
 from mcp_saga.schemas.timeline import TimelineEntry
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = get_logger("coordinator")
@@ -167,6 +167,14 @@ class Coordinator:
                 delay = min(MAX_OUTAGE_BACKOFF, delay * 2 or 0.05)
                 log.warning("redis unreachable; retrying", error=str(exc), retry_in=delay)
                 time.sleep(delay)
+            except NoScriptError:
+                # A Redis that lost its scripts refused a commit sent by digest, which ran nothing of
+                # that workflow's; the batch may be half-committed, as after a crash between two
+                # writes: its entries are read again with our pending ones, and their jobs re-ensured.
+                self._forget_ahead()
+                self.store.load_scripts()
+                started = False
+                log.warning("redis lost its scripts; loaded them again, re-reading the pending events")
             except ResponseError as exc:
                 self._forget_ahead()  # read again with the rest of our pending entries
                 condition = healing_condition(exc)
@@ -222,6 +230,8 @@ class Coordinator:
         result = self._overlapped() if self.store.overlaps else self.process(self._read(">"), redelivered=False)
         if now >= self._next_watch:
             self._next_watch = now + self.settings.watchdog_every
+            if self._ready is None and not self._unread:  # idle: what the watchdog reads as pending is
+                self._settle_now()  # not what a finished batch still owes an acknowledgement for
             self.watch()
         if now >= self._next_housekeeping:
             self._next_housekeeping = now + 10
@@ -235,18 +245,24 @@ class Coordinator:
         by the write before, is decoded and planned while Redis runs the commit; by the time this
         batch is finished the read behind it is answered, so this process never waits for a read
         while there is work. The acknowledgement of a finished batch rides with the next write
-        (or goes at once when nothing else is in hand). So an entry is acknowledged only after its
-        commit and its follow-ups, and a workflow of both batches is planned only once this one's
-        outcome is known (`held`). The next batch waits, read and planned, for the next call.
+        (or goes at once when nothing else is in hand). So an entry is acknowledged only after
+        its commit and its follow-ups, and a workflow of both batches is planned only once this
+        one's outcome is known (`held`). The next batch waits, read and planned, for the next call.
+
+        A batch a blocking read found short of `batch` entries (an idle stream: a failure, a
+        report) reads nothing ahead: its events were the whole stream a moment ago, and a read
+        ahead of its load would only put a round trip between the failure and its compensation.
+        Its acknowledgement rides with the next blocking read (`_straight`).
         """
         batch, self._ready = self._ready, None
         if batch is None:
             entries, self._unread = self._unread, []
             if not entries:
-                self._settle_now()  # nothing to commit: what is owed goes out before waiting
-                entries = self._read(">")
+                entries = self._read_settling()
                 if not entries:
                     return BatchResult()
+                if len(entries) < self.settings.batch:
+                    return self._straight(self._prepare(entries, redelivered=False))
             batch = self._prepare(entries, redelivered=False)
         self._plan_held(batch)
         k = self.keys
@@ -271,8 +287,22 @@ class Coordinator:
         self._unread = _entries(self.store.read_trail(flight)[0])
         self._ready = upcoming
         if upcoming is None and not self._unread:
-            self._settle_now()
+            self._settle_now()  # a burst ended: what it owes goes out before the wait for more
         return result
+
+    def _straight(self, batch: Batch) -> BatchResult:
+        """A batch of an idle stream: its fast path's record, then load, commit and dispatch at once."""
+        outcomes: dict[str, Recorded | None] = {}
+        if batch.planned:
+            _, flight = self.store.record_ahead(None, batch.planned, batch.now)
+            outcomes = self.store.collect(flight)
+        return self._finish(batch, outcomes, defer=True)
+
+    def _read_settling(self) -> list[Entry]:
+        """The blocking read of new entries, behind the acknowledgements owed, in one round trip."""
+        settles, self._settles = self._settles, []
+        reply = self.store.settle_and_read(settles, self.name, self.settings.batch, self.settings.block_ms)
+        return _entries(reply)
 
     def _settle_now(self) -> None:
         """Send the acknowledgements (and outbox clean-ups) deferred to the next write, now."""

@@ -13,18 +13,21 @@ known, a report already counted change nothing.
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from mcp_saga.coordinator.planner import plan_in_doubt, plan_step
+from mcp_saga.coordinator.planner import no_live_declaration, plan_in_doubt, plan_step
 from mcp_saga.schemas.config import Config
 from mcp_saga.schemas.events import (
     TEXT_MAX,
     CompensationFailed,
     CompensationRefused,
     CompensationSucceeded,
+    DeclarationFailed,
+    DeclarationRead,
     Event,
     OperatorCommand,
     RecallFailed,
@@ -36,6 +39,7 @@ from mcp_saga.schemas.events import (
     WorkflowFailed,
     cut_text,
     encode_payload,
+    field_repair,
     stream_id,
 )
 from mcp_saga.schemas.operators import operator_refusal
@@ -303,7 +307,11 @@ class Machine:
         """An intent's record and its timeline entries (also for the fast path, which records without a read)."""
         overlay = self.config.overlay(data.server, data.tool)
         idempotent = self.idempotent(data.server, data.tool, data.annotations)
-        comp = plan_in_doubt(workflow, data, seq, overlay, idempotent, now, self.config.policy).compensation
+        cut = field_repair(repairs, "arguments")
+        registered = data.server in self.config.servers
+        comp = plan_in_doubt(
+            workflow, data, seq, overlay, idempotent, now, self.config.policy, cut, registered
+        ).compensation
         comp.event_id = event_id
         entries = []
         if repairs:
@@ -366,8 +374,11 @@ class Machine:
             if state.status == "failed" and completions(view) >= state.expected_steps:
                 self._unwind(view, now)
             return
-        replannable = intent.status in OPEN or (
-            intent.status == "pending" if intent.kind == "compensation" else intent.status not in SETTLED
+        # An in-doubt step judged unrecoverable had nothing done about it: its result may make it undoable.
+        replannable = (
+            intent.status in OPEN
+            or (intent.in_doubt and intent.status == "unrecoverable")
+            or (intent.status == "pending" if intent.kind == "compensation" else intent.status not in SETTLED)
         )
         if not replannable:
             intent.open_intent = False
@@ -382,6 +393,8 @@ class Machine:
             late = state.status in UNWINDING
             comp, entries = self.plan_step(view.workflow, data, intent.seq, late, now, intent.event_id, event.repairs)
             comp.forward_key, comp.in_doubt, comp.dispatch = intent.forward_key, intent.in_doubt, intent.dispatch
+            if state.status == "completed":  # as for a step recorded after the completion (_step_after_completion)
+                comp.status, comp.reason = "skipped", "settled after the workflow completed: nothing to undo"
             view.put(comp, now)
             view.set_steps[intent.seq] = event.raw
             view.log += entries
@@ -420,9 +433,16 @@ class Machine:
         now: float,
         event_id: str = "",
         repairs: tuple[str, ...] = (),
+        live: bool = False,
     ) -> tuple[Compensation, list[TimelineEntry]]:
-        """A step's compensation plan and the timeline entries that record it (also for the fast path)."""
-        plan = plan_step(workflow, data, seq, self.config.overlay(data.server, data.tool), now, self.config.policy)
+        """A step's compensation plan and the timeline entries that record it (also for the fast path).
+
+        `live`: `data.recovery` is the server's live declaration, read by a worker (a step without
+        one is then skipped); else a step with no recovery from a registered server awaits that read.
+        """
+        registered = None if live else data.server in self.config.servers
+        overlay = self.config.overlay(data.server, data.tool)
+        plan = plan_step(workflow, data, seq, overlay, now, self.config.policy, registered)
         comp = plan.compensation
         comp.late = late
         comp.event_id = event_id
@@ -431,7 +451,7 @@ class Machine:
         # The step stack already records every step; the timeline records the ones that need a
         # word: late, not compensable (skipped, unrecoverable, and why), or planned from an overlay.
         entries = []
-        if late or comp.status != "pending" or comp.source == "overlay":
+        if late or comp.status != "pending" or comp.source == "overlay" or comp.kind == "declaration":
             entries.append(
                 timeline_entry(
                     "late-step" if late else "step-planned",
@@ -529,6 +549,9 @@ class Machine:
         if isinstance(data, RecallSucceeded | RecallFailed):
             self._recalled(view, comp, data, detail, now)
             return
+        if isinstance(data, DeclarationRead | DeclarationFailed):
+            self._declaration(view, comp, data, detail, now)
+            return
         if isinstance(data, CompensationSucceeded):
             comp.status = "succeeded"
             _count_attempt(comp, data)
@@ -546,10 +569,13 @@ class Machine:
         comp.spent += 1
         comp.heard_at = now  # an attempt report: the dispatch is alive, silence counts from here
         if isinstance(data, CompensationRefused):
-            comp.status = data.status
-            comp.reason = data.reason
+            comp.status, comp.reason = data.status, data.reason
+            if comp.kind == "recall" and data.status == "unrecoverable":
+                # A refused recall learned nothing: the outcome is still unknown, and an in-doubt step halts.
+                comp.status = "in-doubt"
+                comp.reason = cut_text(f"in doubt, and its recall was refused: {data.reason}", TEXT_MAX)
             view.note("compensation-refused", now, data.step, status=data.status, reason=data.reason, **detail)
-            self._outcome(view, "compensation-refused", now, comp.step, data.status, data.reason)
+            self._outcome(view, "compensation-refused", now, comp.step, comp.status, comp.reason or "")
         elif isinstance(data, CompensationFailed):
             comp.last_error = data.error
             if data.final:
@@ -608,21 +634,99 @@ class Machine:
             view.log += entries
             view.note("recall-succeeded", now, comp.step, plan=new.status, reason=new.reason, **detail)
             return
+        self._call_failed(view, comp, data, "recall", detail, now)
+
+    def _call_failed(
+        self,
+        view: WorkflowView,
+        comp: Compensation,
+        data: RecallFailed | DeclarationFailed,
+        what: str,
+        detail: dict,
+        now: float,
+    ) -> None:
+        """A worker's failed attempt at a call that is not the undo itself (`what`: a recall, or the
+        read of a live declaration): counted like an attempt at the undo, and final, it halts the unwind."""
         if not _new_attempt(comp, data):
             return
         comp.attempt, comp.attempts, comp.spent, comp.heard_at = data.attempt, comp.attempts + 1, comp.spent + 1, now
-        comp.last_error = cut_text(f"recall: {data.error}", TEXT_MAX)
+        comp.last_error = cut_text(f"{what}: {data.error}", TEXT_MAX)
         comp.status = "failed" if data.final else "running"
         if data.final:
             self._outcome(view, "compensation-failed", now, comp.step, "failed", comp.last_error)
         view.put(comp, now)
         view.note(
-            "recall-failed" if data.final else "recall-attempt-failed",
+            f"{what}-failed" if data.final else f"{what}-attempt-failed",
             now,
             comp.step,
             error=data.error,
             retryable=data.retryable,
             **detail,
+        )
+
+    def _declaration(
+        self,
+        view: WorkflowView,
+        comp: Compensation,
+        data: DeclarationRead | DeclarationFailed,
+        detail: dict,
+        now: float,
+    ) -> None:
+        """A worker's read of the server's live declaration, for a step whose event carried none: the
+        step is planned from it as if its event had carried it (an in-doubt intent, as in doubt)."""
+        if comp.kind != "declaration":
+            return  # its step-completed (or a recall) planned it meanwhile
+        if isinstance(data, DeclarationFailed):
+            self._call_failed(view, comp, data, "declaration", detail, now)
+            return
+        if data.dispatch != comp.dispatch:
+            return  # a superseded dispatch: the current one's read decides
+        at = _iso(data.listed_at or now)
+        if comp.open_intent:
+            intent = StepStarted(
+                step=comp.step,
+                server=comp.server,
+                tool=comp.tool,
+                forward_key=comp.forward_key or "",
+                arguments=comp.arguments or {},
+                recovery=data.recovery,
+                annotations=data.annotations,
+            )
+            idempotent = self.idempotent(comp.server, comp.tool, data.annotations)
+            overlay = self.config.overlay(comp.server, comp.tool)
+            new = plan_in_doubt(
+                view.workflow, intent, comp.seq, overlay, idempotent, now, self.config.policy
+            ).compensation
+            new.status = new.if_in_doubt or "in-doubt"  # a recall it plans binds its result with this declaration
+            entries: list[TimelineEntry] = []
+        else:
+            step = StepCompleted(
+                step=comp.step,
+                server=comp.server,
+                tool=comp.tool,
+                result=comp.result or {},
+                arguments=comp.arguments or {},
+                recovery=data.recovery,
+            )
+            new, entries = self.plan_step(view.workflow, step, comp.seq, comp.late, now, comp.event_id, live=True)
+        if data.recovery is None and new.status == "skipped":
+            new.reason = no_live_declaration(data.listed, at)
+        new.late, new.event_id, new.dispatch, new.in_doubt = comp.late, comp.event_id, comp.dispatch, comp.in_doubt
+        new.forward_key, new.open_intent = comp.forward_key, comp.open_intent
+        # The read is this record's last attempt; the plan it makes starts a budget of its own.
+        new.attempts = comp.attempts + (1 if _new_attempt(comp, data) else 0)
+        view.put(new, now)
+        view.log += entries
+        view.note(
+            "declaration-read",
+            now,
+            comp.step,
+            plan=new.status,
+            operation=new.operation_id,
+            source=new.source,
+            reason=new.reason,
+            detail=f"planned from {comp.server}'s live declaration of {comp.tool}, read at {at}",
+            **{k: v for k, v in detail.items() if k != "operation"},
         )
 
     def _operator(self, view: WorkflowView, kind: str, data: OperatorCommand, now: float) -> None:
@@ -818,6 +922,11 @@ class Machine:
         view.outcomes.append(
             Outcome(type=kind, workflow=view.workflow, at=now, step=step, status=status, reason=reason)
         )
+
+
+def _iso(at: float) -> str:
+    """An epoch time as the timeline and reasons show it (UTC, to the second)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
 def _new_attempt(comp: Compensation, data: Report) -> bool:

@@ -35,9 +35,28 @@ class Plan(NamedTuple):
     notes: tuple[str, ...] = ()
 
 
+NOT_IN_REGISTRY = (
+    "no recovery in the event, no overlay for the tool, and server {server!r} is not in the registry, "
+    "so its live declaration cannot be read"
+)
+READ_ONLY = "no recovery in the event, and the event's annotations declare the tool read-only: nothing to undo"
+AWAITS_DECLARATION = (
+    "no recovery in the event and no overlay for the tool: the server's live declaration is read when it unwinds"
+)
+
+
 def plan_step(
-    workflow: str, step: StepCompleted, seq: int, overlay: Recovery | None, now: float, policy: Policy | None = None
+    workflow: str,
+    step: StepCompleted,
+    seq: int,
+    overlay: Recovery | None,
+    now: float,
+    policy: Policy | None = None,
+    registered: bool | None = None,
 ) -> Plan:
+    """`registered`: whether the step's server is in the registry, so that a step whose event carried
+    no recovery can wait for a worker to read the server's live declaration (None: that was done,
+    or cannot be asked for; such a step is `skipped`)."""
     notes: list[str] = []
     declared: Recovery | None = None
     problem: str | None = None
@@ -60,6 +79,13 @@ def plan_step(
         recovery, source = declared, "server"
     elif problem is not None:
         return Plan(_mark(base, "unrecoverable", problem, "server"), tuple(notes))
+    elif registered and (step.annotations or {}).get("readOnlyHint") is True:
+        # Nothing to undo, and no listing to read for it: a read-only tool declares no compensation.
+        return Plan(_mark(base, "skipped", READ_ONLY, None), tuple(notes))
+    elif registered:
+        return Plan(awaiting_declaration(workflow, step, base), tuple(notes))
+    elif registered is False:
+        return Plan(_mark(base, "skipped", NOT_IN_REGISTRY.format(server=step.server), None), tuple(notes))
     else:
         return Plan(_mark(base, "skipped", "no recovery in the event, and no overlay for the tool", None), tuple(notes))
 
@@ -81,7 +107,31 @@ def plan_step(
     return Plan(base, tuple(notes))
 
 
+def awaiting_declaration(workflow: str, step: StepCompleted, comp: Compensation) -> Compensation:
+    """A step whose event carried no recovery, from a registered server: pending a `declaration` job.
+
+    It is not planned until it unwinds, in its LIFO place: a worker then reads the server's live
+    tools/list, and the coordinator plans from that declaration with `plan_step` as if the event had
+    carried it. The record keeps the recorded arguments and result that plan binds.
+    """
+    comp.kind, comp.reason = "declaration", AWAITS_DECLARATION
+    comp.operation_id, comp.arguments, comp.result = step.tool, dict(step.arguments), step.result
+    comp.idempotency_key = idempotency_key(workflow, step.step, "tools/list")
+    return comp
+
+
+def no_live_declaration(listed: bool, at: str) -> str:
+    """Why a step planned from the live listing has nothing to undo."""
+    if not listed:
+        return f"the server no longer lists the tool, read live at {at}: no recovery can be declared for it"
+    return f"the server declares no recovery for it, read live at {at}"
+
+
 IN_DOUBT_BINDS_RESPONSE = "in doubt: the outcome is unknown and the compensation binds the response"
+IN_DOUBT_ARGUMENTS_CUT = (
+    "in doubt, and its intent was recorded without its arguments ({cut}): "
+    "it can be neither called again nor undone without its result"
+)
 IN_DOUBT_RECALL = "in doubt: the tool is idempotent under its forward key; called again to learn its result"
 
 
@@ -107,6 +157,8 @@ def plan_in_doubt(
     idempotent: bool,
     now: float,
     policy: Policy | None = None,
+    arguments_cut: str | None = None,
+    registered: bool | None = None,
 ) -> Plan:
     """A started step's record: status `started`, with the plan to follow if its outcome is never learned.
 
@@ -118,15 +170,31 @@ def plan_in_doubt(
     undo of what never happened); anything else is `in-doubt` and waits for an operator, because
     its arguments would have to be guessed. The recall's fields (the tool, its arguments, the
     forward key) are kept in that last case too, so that an operator who learns that the tool
-    honours the key can declare it idempotent and `saga retry` the step.
+    honours the key can declare it idempotent and `saga retry` the step. `arguments_cut` (the
+    repair note of an intent whose arguments were left out on decoding) rules the recall out: the
+    recorded call is not the one made, so repeating it would guess its arguments.
+    An intent with no recovery from a registered server (`registered`) waits, in doubt, for its
+    server's live declaration like a completed step (`awaiting_declaration`); it is then planned
+    again here with that declaration.
     """
-    plan = plan_step(workflow, as_completed(step), seq, overlay, now, policy)
+    plan = plan_step(workflow, as_completed(step), seq, overlay, now, policy, registered)
     comp = plan.compensation
     comp.forward_key, comp.recovery, comp.open_intent = step.forward_key, step.recovery, True
+    if comp.kind == "declaration":
+        comp.if_in_doubt, comp.status = "pending", "started"  # type: ignore[assignment]
+        comp.reason = f"in doubt, and {AWAITS_DECLARATION}"
+        if arguments_cut is not None:  # whatever the server declares, its plan would bind guessed arguments
+            fresh = Compensation(step.step, seq, step.server, step.tool, "started", updated_at=now)
+            fresh.forward_key, fresh.open_intent, fresh.if_in_doubt = step.forward_key, True, "unrecoverable"
+            fresh.reason = IN_DOUBT_ARGUMENTS_CUT.format(cut=arguments_cut)
+            return Plan(fresh, plan.notes)
+        return plan
     verdict = comp.status
     binds_response = _binds_response(overlay if overlay is not None else _declared(step))
     usable = comp.operation_id is not None and (comp.status == "pending" or binds_response)
-    if usable and (idempotent or comp.status != "pending"):
+    if usable and arguments_cut is not None and (idempotent or comp.status != "pending"):
+        verdict, comp.reason = "unrecoverable", IN_DOUBT_ARGUMENTS_CUT.format(cut=arguments_cut)
+    elif usable and (idempotent or comp.status != "pending"):
         comp.kind = "recall"
         comp.operation_id, comp.arguments, comp.idempotency_key = step.tool, dict(step.arguments), step.forward_key
         if idempotent:

@@ -7,17 +7,22 @@ twice (RQ would otherwise overwrite the job and run it twice).
 
 A batch's due jobs go out in one round trip (`enqueue_all`): RQ's `enqueue(unique=True)` sends the
 queue's SADD and its unique-enqueue script as two trips per job, and a failing workflow's first
-compensation waits for both. The job is RQ's own (`Queue.create_job`, prepared as RQ prepares it),
-written by RQ's own script (rq.scripts: EXISTS, HSET, RPUSH, atomically), so `rq info`, the
-dashboard and RQ's registries see exactly what RQ's enqueue would have left.
+compensation waits for both. The job's hash is RQ's own: a template RQ built (`Queue.create_job`,
+prepared as RQ prepares it) once per queue and timeout, with the fields that differ per job put in
+as RQ serializes them (JobHash; a test holds it equal to RQ's own to_dict for the installed RQ), written
+by RQ's own script (rq.scripts: EXISTS, HSET, RPUSH, atomically), so `rq info`, the dashboard and
+RQ's registries see exactly what RQ's enqueue would have left. Building the job through RQ each
+time cost more than the round trip on the path from a failure to its first compensation.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 import time
+import zlib
 from datetime import UTC, datetime
 from typing import Any
 
@@ -34,6 +39,10 @@ from rq.scripts import UNIQUE_ENQUEUE_SCRIPT
 _UNIQUE_SHA = hashlib.sha1(UNIQUE_ENQUEUE_SCRIPT.encode()).hexdigest()
 # One generator for the jitter: a `random.Random()` per job seeds itself from the OS each time.
 _JITTER = random.Random()
+RESULT_TTL = 3600
+FAILURE_TTL = 7 * 86_400
+# RQ's job timestamps (rq.utils.utcformat).
+RQ_TIMESTAMP = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
 def backoff_intervals(settings: WorkerSettings, rng: random.Random | None = None) -> list[int]:
@@ -63,25 +72,26 @@ def enqueue_all(queue: Queue, jobs: list[CompensationJob], settings: WorkerSetti
     most `attempts` times per compensation, however often the watchdog steps in.
     """
     queued: dict[int, bool] = {}
-    due: list[tuple[int, Job]] = []
+    due: list[tuple[int, tuple[Any, ...]]] = []
+    hashes: JobHash | None = None
     for n, job in enumerate(jobs):
-        options = _options(job, settings)
         # A backoff to wait out first: RQ's scheduler releases it. RQ keeps whole seconds (it drops
         # the fraction, which would cut the wait short): so the next whole second.
         if (at := math.ceil(job.not_before)) > time.time():
             try:
-                queue.enqueue_at(datetime.fromtimestamp(at, UTC), JOB_FUNCTION, job_payload(job), **options)
+                queue.enqueue_at(
+                    datetime.fromtimestamp(at, UTC), JOB_FUNCTION, job_payload(job), **_options(job, settings)
+                )
                 queued[n] = True
             except DuplicateJobError:
                 queued[n] = False
             continue
-        options.pop("unique")
-        options["timeout"] = options.pop("job_timeout")
-        rq_job = queue.create_job(JOB_FUNCTION, args=(job_payload(job),), **options)
-        queue._prepare_for_queue(rq_job)  # what RQ's enqueue sets: origin, enqueued_at, status, timeout
-        due.append((n, rq_job))
+        hashes = hashes or JobHash.of(queue, settings.job_timeout)
+        retries, intervals = _retries(job, settings)
+        key, fields = hashes.fields(job, retries, intervals)
+        due.append((n, (key, queue.key, job.job_id, "R", -1, *fields)))
     if due:
-        calls = {n: (rq_job.key, queue.key, rq_job.id, "R", _ttl(rq_job), *_fields(rq_job)) for n, rq_job in due}
+        calls = dict(due)
         load = False
         while calls:  # twice at most: a restarted or flushed Redis answers NOSCRIPT, and ran nothing
             with queue.connection.pipeline(transaction=False) as pipe:
@@ -102,32 +112,85 @@ def enqueue_all(queue: Queue, jobs: list[CompensationJob], settings: WorkerSetti
     return [queued[n] for n in range(len(jobs))]
 
 
-def _ttl(rq_job: Job) -> int:
-    return rq_job.ttl if rq_job.ttl is not None else -1
+def _retries(job: CompensationJob, settings: WorkerSettings) -> tuple[int, list[int]]:
+    """The RQ retries this dispatch gets and their intervals: what the compensation's budget has left."""
+    retries = max(0, settings.attempts - 1 - job.attempts_used)
+    return retries, backoff_intervals(settings)[settings.attempts - 1 - retries :]
 
 
 def _options(job: CompensationJob, settings: WorkerSettings) -> dict[str, Any]:
-    retries = max(0, settings.attempts - 1 - job.attempts_used)
-    intervals = backoff_intervals(settings)[settings.attempts - 1 - retries :]
+    """RQ's own enqueue options for the job (a scheduled one goes through RQ's enqueue_at)."""
+    retries, intervals = _retries(job, settings)
     return {
         "job_id": job.job_id,
         "unique": True,
         "retry": Retry(max=retries, interval=intervals) if retries else None,
         "job_timeout": settings.job_timeout,
-        "result_ttl": 3600,
-        "failure_ttl": 7 * 86_400,
-        "description": f"compensate {job.workflow}/{job.step}: {job.server}:{job.operation_id}",
-        "meta": {"workflow": job.workflow, "step": job.step},
+        "result_ttl": RESULT_TTL,
+        "failure_ttl": FAILURE_TTL,
+        "description": _description(job),
+        "meta": _meta(job),
     }
 
 
-def _fields(rq_job: Job) -> list[str | bytes]:
+def _description(job: CompensationJob) -> str:
+    return f"compensate {job.workflow}/{job.step}: {job.server}:{job.operation_id}"
+
+
+def _meta(job: CompensationJob) -> dict[str, str]:
+    return {"workflow": job.workflow, "step": job.step}
+
+
+class JobHash:
+    """The hash RQ's unique enqueue writes for a job of ours, from a template RQ built.
+
+    The fields that are the same for every job of a queue and timeout (callbacks, TTLs, origin,
+    status...) come from a job RQ created and prepared for the queue; the ones that differ are
+    put in as RQ's Job.to_dict writes them: the pickled call (zlib-compressed), the pickled meta,
+    the description, the timestamps and the retries (absent without any).
+    """
+
+    _cache: dict[tuple[str, int], JobHash] = {}
+
+    def __init__(self, queue: Queue, timeout: int) -> None:
+        proto = queue.create_job(
+            JOB_FUNCTION, args=("",), job_id="template", timeout=timeout, result_ttl=RESULT_TTL,
+            failure_ttl=FAILURE_TTL, description="", meta={}, retry=Retry(max=1, interval=[1]),
+        )  # fmt: skip
+        queue._prepare_for_queue(proto)  # what RQ's enqueue sets: origin, enqueued_at, status, timeout
+        self.template = {key: value for key, value in _fields(proto)}
+        self.dumps = queue.serializer.dumps
+        self.prefix = Job.redis_job_namespace_prefix
+
+    @classmethod
+    def of(cls, queue: Queue, timeout: int) -> JobHash:
+        found = cls._cache.get((queue.key, timeout))
+        if found is None:
+            found = cls._cache[(queue.key, timeout)] = cls(queue, timeout)
+        return found
+
+    def fields(self, job: CompensationJob, retries: int, intervals: list[int]) -> tuple[str, list[str | bytes]]:
+        """The job's key and its hash's fields, flat (name, value, ...), as RQ's script takes them."""
+        stamp = datetime.now(UTC).strftime(RQ_TIMESTAMP)
+        hash_ = dict(self.template)
+        hash_["created_at"] = hash_["enqueued_at"] = stamp
+        hash_["data"] = zlib.compress(self.dumps((JOB_FUNCTION, None, (job_payload(job),), {})))
+        hash_["description"] = _description(job)
+        hash_["meta"] = self.dumps(_meta(job))
+        if retries:
+            hash_["retries_left"], hash_["retry_intervals"] = str(retries), json.dumps(intervals)
+        else:
+            del hash_["retries_left"], hash_["retry_intervals"]
+        return self.prefix + job.job_id, [part for pair in hash_.items() for part in pair]
+
+
+def _fields(rq_job: Job) -> list[tuple[str, str | bytes]]:
     """The job's hash as RQ's unique enqueue writes it (rq.scripts: its set fields, as text)."""
-    fields: list[str | bytes] = []
-    for key, value in rq_job.to_dict().items():
-        if value is not None:
-            fields += (key, value if isinstance(value, bytes | str) else str(value))
-    return fields
+    return [
+        (key, value if isinstance(value, bytes | str) else str(value))
+        for key, value in rq_job.to_dict().items()
+        if value is not None
+    ]
 
 
 def job_payload(job: CompensationJob) -> str:

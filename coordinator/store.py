@@ -18,6 +18,7 @@ import msgspec
 from mcp_saga.coordinator.machine import WorkflowView
 from mcp_saga.runtime.connect import Lua, is_cluster
 from mcp_saga.runtime.durability import Durability, Writes
+from mcp_saga.runtime.pipelined import pack
 from mcp_saga.runtime.reader import decode_records
 from mcp_saga.schemas.config import CoordinatorSettings
 from mcp_saga.schemas.keys import STATUSES, Keys, key_slot
@@ -150,6 +151,7 @@ class Store:
         self._index = Lua(redis, load_script("index.lua"))
         self._forget = Lua(redis, load_script("forget.lua"))
         self._packed_keys: dict[str, bytes] = {}
+        self._loaded = False  # whether this Store put its scripts in the cache (commit's digest needs it)
 
     def load(self, wanted: dict[str, tuple[bool, Iterable[str]]]) -> dict[str, WorkflowView]:
         """Load views: workflow -> (needs every record?, step ids the batch names).
@@ -186,7 +188,15 @@ class Store:
         }.get(status, s.idle_ttl)
 
     def commit(self, views: list[WorkflowView]) -> list[bool]:
-        """Apply each dirty view atomically; False where another coordinator changed it meanwhile."""
+        """Apply each dirty view atomically; False where another coordinator changed it meanwhile.
+
+        By digest, the script loaded before the first commit: a Redis that lost it since (restarted,
+        failed over, flushed) raises NoScriptError here, and the coordinator loads the scripts again
+        and reads its pending entries again, as after a crash between this write and the next
+        (Coordinator.run): what did commit folds to no change, its jobs re-ensured.
+        """
+        if not self._loaded:
+            self.load_scripts()
         writes = Writes(self.redis, self.durability)
         for view in views:
             state = view.state
@@ -209,7 +219,7 @@ class Store:
             for position, raw in view.set_steps.items():
                 args += (position, raw)
             keys = self.keys.workflow_keys(view.workflow)
-            self._apply(keys=keys, args=args, client=writes.pipe(keys[0]))
+            self._apply.queue(writes.pipe(keys[0]), keys, args)
         oks = [bool(ok) for ok in writes.execute("coordinator commit")]
         for view, ok in zip(views, oks, strict=True):
             if ok and view.outcomes:
@@ -326,12 +336,12 @@ class Store:
         pool = self.redis.connection_pool
         connection = pool.get_connection()
         try:
-            commands = [] if ahead is None else [ahead]
-            packed = connection.pack_commands(commands) if commands else []
+            # hiredis packs each command in one call; redis-py's pack_commands wraps it in a pass
+            # over every argument (an XACK names a hundred) and a copy into its buffers.
+            packed = [] if ahead is None else [pack(ahead)]
             if batches:
                 packed.append(self._packed_record(batches, now))
-            if trail:
-                packed += connection.pack_commands(trail)
+            packed += [pack(command) for command in trail]
             connection.send_packed_command(packed)
             reply = None if ahead is None else self.redis.parse_response(connection, str(ahead[0]))
         except BaseException:
@@ -403,7 +413,7 @@ class Store:
             keys = self.keys.index_keys()
             if not self.cluster:  # the script checks that each item's state is still there
                 keys += [self.keys.state(item[0]) for item in items]
-            self._index(keys=keys, args=args, client=pipe)
+            self._index.queue(pipe, keys, args)
         for view in views:
             for raw in view.outbox:
                 for outcome in msgspec.json.decode(raw):
@@ -411,9 +421,19 @@ class Store:
         for entry_id, fields, reason in dead:
             record = DeadLetter.record(entry_id, fields, reason, time.time())
             pipe.xadd(self.keys.dead_letter, record, maxlen=self.settings.dead_letter_maxlen, approximate=True)
-        for reply in pipe.execute(raise_on_error=False):
+        replies = pipe.execute(raise_on_error=False)
+        if items and isinstance(replies[0], NoScriptError):  # ran nothing: the text loads it and runs it
+            self._index(keys=keys, args=args)
+            replies = replies[1:]
+        for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
+
+    def load_scripts(self) -> None:
+        """Load the scripts sent by digest into a Redis that lost them (a restart, failover, flush)."""
+        for script in (self._apply, self._record_steps, self._index):
+            script.load()
+        self._loaded = True
 
     def settle(self, views: list[WorkflowView], ack: list[bytes]) -> None:
         """After `follow_up` succeeded: empty the outboxes it wrote out, and acknowledge the entries."""
@@ -429,6 +449,21 @@ class Store:
         for reply in pipe.execute(raise_on_error=False):
             if isinstance(reply, Exception):
                 raise reply
+
+    def settle_and_read(self, commands: list[tuple[Any, ...]], consumer: str, count: int, block_ms: int) -> Any:
+        """Send what `settle_commands` returned, then the consumer's blocking read of new entries,
+        in one round trip; the read's reply (redis-py's XREADGROUP shape). An error reply to any
+        of the settle commands raises, after the read: the entries it named come back, and fold
+        to no change."""
+        pipe = self.redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        pipe.xreadgroup(self.keys.group, consumer, {self.keys.events: ">"}, count=count, block=block_ms)
+        *settled, read = pipe.execute(raise_on_error=False)
+        for reply in (*settled, read):
+            if isinstance(reply, Exception):
+                raise reply
+        return read
 
     def settle_commands(self, views: list[WorkflowView], ack: list[bytes]) -> list[tuple[Any, ...]]:
         """What `settle` sends, for a caller that sends it later, with its next write."""

@@ -75,8 +75,9 @@ class Faults:
 
     rate: float = 0.0
     first: int = 0
-    # Seconds a compensating call of the trivial server takes: a slow server, or with a huge
-    # value one that never answers (the "hung server" of the isolation and watchdog tests).
+    # Seconds each compensating call takes: a slow server (the failover tests keep an unwind in
+    # flight with it), or with a huge value one that never answers (the trivial server's "hung
+    # server" of the isolation and watchdog tests).
     delay: float = 0.0
 
     @classmethod
@@ -167,6 +168,8 @@ class Ledger:
         """
         if compensating:
             self.faults.check(tool, self._count_call(tool) if self.faults.first else 0)
+            if self.faults.delay:  # sync tools run in a worker thread: other calls go on meanwhile
+                time.sleep(self.faults.delay)
         with self._transaction() as conn:
             if key is not None:
                 row = conn.execute("SELECT result FROM idempotency WHERE tool = ? AND key = ?", (tool, key)).fetchone()

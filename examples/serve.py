@@ -28,7 +28,7 @@ def parse_args(server: str, argv: Sequence[str] | None = None) -> argparse.Names
         "--fail-rate", type=float, metavar="X", help="share of compensating calls that fail transiently"
     )
     parser.add_argument("--fail-first", type=int, metavar="N", help="the first N calls of each compensating tool fail")
-    parser.add_argument("--delay", type=float, metavar="S", help="seconds each compensating call takes (trivial)")
+    parser.add_argument("--delay", type=float, metavar="S", help="seconds each compensating call takes")
     args = parser.parse_args(argv)
     args.faults = Faults.from_env(args.fail_rate, args.fail_first, args.delay)
     if not 0 <= args.faults.rate <= 1 or args.faults.first < 0:

@@ -262,7 +262,11 @@ class Gateway:
         key = dict(meta or {}).get(IDEMPOTENCY_META_KEY)
         key = key if isinstance(key, str) and key else forward_key(workflow, step)
         recovery, annotations = await self._declaration(name, workflow, step, tool)
-        intent = started_entry(workflow, step, name, tool, arguments, recovery, annotations, key=key)
+        try:
+            intent = started_entry(workflow, step, name, tool, arguments, recovery, annotations, key=key)
+        except ValueError as exc:  # the client's own key breaks the contract (over 200 characters)
+            message = f"the gateway could not record the intent of this call ({exc}); it was not forwarded"
+            raise NotRecordable(message) from None
         await self.recorder.started(workflow, step, intent)
         return step, {IDEMPOTENCY_META_KEY: key}
 

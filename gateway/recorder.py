@@ -121,8 +121,8 @@ class Recorder:
         if fields is None:
             log.warning("intent over the event cap; the call goes unannounced", workflow=workflow, step=step)
             return
-        try:
-            await self._writer.xadd(self.publisher.stream_for(workflow), fields)
+        try:  # the publisher's add: with `[redis] wait_replicas`, an intent counts only once replicas confirm it
+            await self.publisher.add(workflow, fields, f"intent of step {step!r} of {workflow!r}")
         except Exception as exc:
             self._healthy = False
             raise NotRecordable(

@@ -270,13 +270,21 @@ class Workflow:
         self._inflight.add(done)
         span = tracing.call_span(self._span, server, tool, step_id)
         announced = False
+        # The caller's own idempotency key for the call, when it sends one (as the gateway does): the
+        # server sees it, so it is the forward key a recall must repeat; else (workflow, step)'s.
+        meta = dict(call_kwargs.pop("meta", None) or {})
+        own = meta.get(IDEMPOTENCY_META_KEY)
+        key = own if isinstance(own, str) and own else forward_key(self.id, step_id)
         try:
             try:
                 if self.intents:
-                    announced = await self._announce(step_id, server, tool, arguments, listing, tracing.wire_of(span))
+                    trace = tracing.wire_of(span)
+                    patience = _seconds(call_kwargs.get("read_timeout_seconds"))
+                    announced = await self._announce(step_id, server, tool, arguments, listing, trace, key, patience)
                 if announced:
-                    meta = call_kwargs.pop("meta", None) or {}
-                    call_kwargs["meta"] = {**meta, IDEMPOTENCY_META_KEY: forward_key(self.id, step_id)}
+                    meta[IDEMPOTENCY_META_KEY] = key
+                if meta:
+                    call_kwargs["meta"] = meta
                 with tracing.current(span):
                     result = await client.call_tool(tool, arguments, **call_kwargs)
                 if result.is_error:
@@ -308,13 +316,23 @@ class Workflow:
         arguments: dict[str, Any],
         listing: asyncio.Future[dict[str, ToolDeclaration]],
         trace: TraceContext | None,
+        key: str,
+        patience: float | None = None,
     ) -> bool:
         """Write the call's intent and wait for Redis to acknowledge it; raise `StepNotRecorded` if it cannot.
 
-        False (nothing written) only for an intent over the event cap, which goes unannounced."""
+        False (nothing written) only for an intent over the event cap, which goes unannounced.
+        The intent carries the tool's declaration, so the session's `tools/list` is waited for, at
+        most `patience` (the call's own read timeout): a server that answers neither must time the
+        call out as it would without intents, not hang the agent; the call is then not made."""
         assert self.publisher is not None
+        if patience is not None and not (await asyncio.wait([listing], timeout=patience))[0]:
+            raise TimeoutError(
+                f"{server}: tools/list, which the intent of step {step!r} needs, got no answer within "
+                f"{patience:g} s (the call's read timeout); the call was not made"
+            )
         recovery, annotations = await self._declaration(server, tool, listing, step)
-        fields = started_entry(self.id, step, server, tool, arguments, recovery, annotations, trace)
+        fields = started_entry(self.id, step, server, tool, arguments, recovery, annotations, trace, key)
         if fields is None:
             log.warning("step %r of workflow %r: intent over the event cap; the call goes unannounced", step, self.id)
             return False
@@ -399,6 +417,14 @@ class Workflow:
         """
         await self._written()
         self._raise_write_error()
+
+
+def _seconds(timeout: Any) -> float | None:
+    """A `read_timeout_seconds` as `Client.call_tool` takes it (seconds, or a `timedelta`)."""
+    if isinstance(timeout, int | float):
+        return float(timeout)
+    seconds = getattr(timeout, "total_seconds", None)
+    return float(seconds()) if callable(seconds) else None
 
 
 # `mcp_saga.workflow("order-42", redis=..., servers={"payments": client})`: the lowercase name reads as

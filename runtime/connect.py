@@ -13,7 +13,9 @@ replicate SCRIPT LOAD), so on a cluster the script text goes with each call (EVA
 caches by digest); on one Redis it stays redis-py's EVALSHA with the script loaded on NOSCRIPT,
 except inside a pipeline: there redis-py sends SCRIPT EXISTS first, a round trip of its own before
 every pipeline with a script in it (the coordinator's commit, on the path from a failure to its
-compensation), so a pipeline carries the text too (a few KiB, which Redis hashes to its cache entry).
+compensation), so a pipeline carries the text too (a few KiB, which Redis hashes to its cache entry),
+unless its caller queues the script by digest (`Lua.queue`) and handles NOSCRIPT itself: hashing
+the text cost Redis about 10 us per call of a 3 KiB script, against 2 us for the EVALSHA.
 """
 
 from __future__ import annotations
@@ -86,6 +88,23 @@ class Lua:
         if self._script is not None and not isinstance(client, redis.client.Pipeline):
             return self._script(keys=keys, args=args, client=client)
         return evaluate(client or self.client, self.text, keys, args)
+
+    def queue(self, pipe: Any, keys: list[str] | tuple[str, ...], args: list[Any]) -> None:
+        """Queue it on `pipe` by digest (EVALSHA) on one Redis, the text on a cluster.
+
+        No SCRIPT EXISTS goes first: a Redis without the script (restarted, failed over, flushed)
+        answers NoScriptError in that command's place, having run nothing of it; the caller
+        `load`s it before that command goes again.
+        """
+        if self._script is None:
+            evaluate(pipe, self.text, keys, args)
+        else:
+            pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+
+    def load(self) -> None:
+        """Put the script in the Redis script cache (after a NoScriptError)."""
+        if self._script is not None:
+            self.client.script_load(self.text)
 
 
 def evaluate(client: Any, text: str, keys: list[str] | tuple[str, ...], args: list[Any] | tuple[Any, ...]) -> Any:

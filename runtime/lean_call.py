@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -31,7 +31,7 @@ import msgspec
 from mcp import Client, MCPError
 from mcp.client import session as sdk_session
 from mcp.shared.inbound import MCP_NAME_HEADER, encode_header_value
-from mcp_saga.runtime.http_client import Response, Target, Upstreams
+from mcp_saga.runtime.http_client import BlockingConnection, Target, Upstreams
 from mcp_types import (
     CONNECTION_CLOSED,
     HEADER_MISMATCH,
@@ -74,6 +74,7 @@ class LeanChannel:
         self.initialized = False
         self.usable = True
         self.sent = 0  # calls this channel sent (the tests and the benchmark tell the two paths apart by it)
+        self.direct = 0  # of which the calling thread sent itself (`send_blocking`)
         self.upstreams = Upstreams()
         # Apart from the SDK's ids (counted from 0 on the same session), so a stateful server never sees one twice.
         self._ids = itertools.count(1 << 40)
@@ -117,15 +118,29 @@ class LeanChannel:
         arguments: dict[str, Any],
         meta: dict[str, Any] | None,
     ) -> types.CallToolResult:
-        session = client.session
-        raw = await self.send(session, name, arguments, meta)
+        raw = await self.send(client.session, name, arguments, meta)
+        return await self.settle(client, name, arguments, meta, self.result_of(client.session, name, raw))
+
+    def result_of(self, session: Any, name: str, raw: dict[str, Any]) -> Any:
+        """The answer's `result` read as the session's SDK reads it for its era (not yet checked against the tool)."""
         sdk_session._clamp_inbound_ttl(raw)
         version = session.protocol_version or DEFAULT_VERSION
         with contextlib.suppress(KeyError):  # a method the version does not list: as the SDK, no check
             types.methods.validate_server_result("tools/call", version, raw)
         if not (foreign := sdk_session._later_revision_fields("tools/call", version)).isdisjoint(raw):
             raw = {key: value for key, value in raw.items() if key not in foreign}
-        result = session._call_tool_adapter.validate_python(raw, by_name=False)
+        return session._call_tool_adapter.validate_python(raw, by_name=False)
+
+    def settles_at_once(self, session: Any, name: str, result: Any) -> bool:
+        """Whether `settle` will finish without waiting on the session: an error result or one whose tool's output
+        schema the session has cached; anything else (a listing to fetch, input to ask for) needs the session's loop."""
+        return isinstance(result, types.CallToolResult) and (result.is_error or name in session._tool_output_schemas)
+
+    async def settle(
+        self, client: Client, name: str, arguments: dict[str, Any], meta: dict[str, Any] | None, result: Any
+    ) -> types.CallToolResult:
+        """What the SDK's `call_tool` does with a result: the tool's output schema, input-required rounds."""
+        session = client.session
         if isinstance(result, types.CallToolResult) and not result.is_error:
             await session.validate_tool_result(name, result)
         if isinstance(result, types.InputRequiredResult):
@@ -146,10 +161,10 @@ class LeanChannel:
             raise RuntimeError(f"tool {name} returned a result this client does not claim: {type(result).__name__}")
         return result
 
-    async def send(
+    def request(
         self, session: Any, name: str, arguments: dict[str, Any], meta: dict[str, Any] | None
-    ) -> dict[str, Any]:
-        """POST the request as the SDK would build it; the `result` of its answer, or the SDK's MCPError."""
+    ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """The POST's body and headers as the SDK would build them, stamped by the live session."""
         request = types.CallToolRequest(params=types.CallToolRequestParams(name=name, arguments=arguments, _meta=meta))
         data = request.model_dump(by_alias=True, mode="json", exclude_none=True)
         opts: dict[str, Any] = {}
@@ -163,11 +178,58 @@ class LeanChannel:
         request_id = next(self._ids)
         self.sent += 1
         body = _encode.encode({"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": params})
-        response = await self.upstreams.request("POST", self.target, self._headers(stamped), body, self.connect_timeout)
+        return body, self._headers(stamped)
+
+    async def send(
+        self, session: Any, name: str, arguments: dict[str, Any], meta: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """POST the request as the SDK would build it; the `result` of its answer, or the SDK's MCPError."""
+        body, headers = self.request(session, name, arguments, meta)
+        response = await self.upstreams.request("POST", self.target, headers, body, self.connect_timeout)
         try:
-            return await self._answer(response)
+            verdict = self._verdict(response.status, response.header(b"content-type"))
+            if verdict != "sse":
+                return self._settled(verdict, response.status, await response.read() if verdict != "error" else b"")
+            events = SseEvents()
+            async for chunk in response.chunks():
+                for event in events.feed(chunk):
+                    outcome = self._event(*event)
+                    if isinstance(outcome, bytes):
+                        await self._refuse(outcome)
+                    elif outcome is not None:
+                        return outcome
+            raise _stream_ended()
         finally:
             response.release()  # a connection whose answer did not end (a cancelled call) is closed
+
+    def send_blocking(
+        self,
+        connection: BlockingConnection,
+        session: Any,
+        name: str,
+        arguments: dict[str, Any],
+        meta: dict[str, Any] | None,
+        deadline: float,
+    ) -> dict[str, Any]:
+        """`send` from the calling thread on its own connection; TimeoutError once `deadline` (monotonic) passed."""
+        body, headers = self.request(session, name, arguments, meta)
+        self.direct += 1
+        response = connection.request("POST", headers, body, deadline)
+        try:
+            verdict = self._verdict(response.status, response.header(b"content-type"))
+            if verdict != "sse":
+                return self._settled(verdict, response.status, response.read() if verdict != "error" else b"")
+            events = SseEvents()
+            for chunk in response.chunks():
+                for event in events.feed(chunk):
+                    outcome = self._event(*event)
+                    if isinstance(outcome, bytes):
+                        self._refuse_blocking(outcome, deadline)
+                    elif outcome is not None:
+                        return outcome
+            raise _stream_ended()
+        finally:
+            response.release()
 
     def _headers(self, stamped: dict[str, str]) -> list[tuple[bytes, bytes]]:
         headers = {**self.defaults, "accept": "application/json, text/event-stream", "content-type": "application/json"}
@@ -176,75 +238,93 @@ class LeanChannel:
         headers.update((name.lower(), value) for name, value in stamped.items())
         return [(name.encode(), value.encode()) for name, value in headers.items()]
 
-    async def _answer(self, response: Response) -> dict[str, Any]:
-        status = response.status
-        content_type = (response.header(b"content-type") or b"").decode("latin-1").lower()
+    def _verdict(self, status: int, content_type_header: bytes | None) -> str:
+        """How to read an answer, from its head: "json", "sse", "error-json" (an error with a JSON body) or "error";
+        the SDK's error for an answer it refuses outright."""
+        content_type = (content_type_header or b"").decode("latin-1").lower()
         if status == 202:
             raise MCPError(INVALID_REQUEST, "server answered a request with 202 Accepted")
         if 300 <= status < 400:
             self.usable = False
             raise NotLean(f"the server answered {status} (a redirect): the SDK follows those it may")
         if status >= 400:
-            if content_type.startswith("application/json"):
-                try:
-                    message = _decode.decode(await response.read())
-                except msgspec.DecodeError:
-                    message = None
-                if isinstance(message, dict) and isinstance(error := message.get("error"), dict):
-                    raise _error(error)
-            if status == 404:
-                if self.session_id is None:
-                    raise MCPError(METHOD_NOT_FOUND, "Not Found")
-                raise MCPError(INVALID_REQUEST, "Session terminated")
-            raise MCPError(INTERNAL_ERROR, "Server returned an error response")
+            return "error-json" if content_type.startswith("application/json") else "error"
         if content_type.startswith("application/json"):
-            content = await response.read()
+            return "json"
+        if content_type.startswith("text/event-stream"):
+            return "sse"
+        raise MCPError(INVALID_REQUEST, f"Unexpected content type: {content_type}")
+
+    def _settled(self, verdict: str, status: int, content: bytes) -> dict[str, Any]:
+        """The `result` of a whole JSON answer, or the SDK's error for it or for an error status."""
+        if verdict == "json":
             try:
                 message = _decode.decode(content)
             except msgspec.DecodeError as exc:
                 raise MCPError(PARSE_ERROR, f"Failed to parse JSON response: {exc}") from None
             return _outcome(message, PARSE_ERROR, "Failed to parse JSON response")
-        if content_type.startswith("text/event-stream"):
-            return await self._from_stream(response)
-        raise MCPError(INVALID_REQUEST, f"Unexpected content type: {content_type}")
-
-    async def _from_stream(self, response: Response) -> dict[str, Any]:
-        async for event, data, event_id in _events(response):
-            if event_id:
-                self.usable = False  # a resumable stream: later calls go through the SDK, which resumes them
-            if event != "message" or not data:
-                continue
+        if verdict == "error-json":
             try:
-                message = _decode.decode(data)
-            except msgspec.DecodeError as exc:
-                raise MCPError(PARSE_ERROR, f"Failed to parse SSE message: {exc}") from None
-            if isinstance(message, dict) and "method" in message:
-                if "id" in message:  # the server asks us something mid-call
-                    self.usable = False
-                    await self._refuse(message)
-                continue  # notifications (progress, logs): the worker has no handler for them
-            return _outcome(message, PARSE_ERROR, "Failed to parse SSE message")
-        raise MCPError(CONNECTION_CLOSED, "SSE stream ended without a response")
+                message = _decode.decode(content)
+            except msgspec.DecodeError:
+                message = None
+            if isinstance(message, dict) and isinstance(error := message.get("error"), dict):
+                raise _error(error)
+        if status == 404:
+            if self.session_id is None:
+                raise MCPError(METHOD_NOT_FOUND, "Not Found")
+            raise MCPError(INVALID_REQUEST, "Session terminated")
+        raise MCPError(INTERNAL_ERROR, "Server returned an error response")
 
-    async def _refuse(self, request: dict[str, Any]) -> None:
-        """Answer a server->client request as the SDK does with no callback for it."""
-        method = request.get("method")
-        if method == "ping":
-            answer: dict[str, Any] = {"jsonrpc": "2.0", "id": request["id"], "result": {}}
-        else:
-            error = (
-                {"code": INVALID_REQUEST, "message": _UNHANDLED[method]}
-                if method in _UNHANDLED
-                else {"code": METHOD_NOT_FOUND, "message": "Method not found", "data": method}
-            )
-            answer = {"jsonrpc": "2.0", "id": request["id"], "error": error}
-        response = await self.upstreams.request(
-            "POST", self.target, self._headers({}), _encode.encode(answer), self.connect_timeout
-        )
+    def _event(self, event: str, data: str, event_id: str | None) -> dict[str, Any] | bytes | None:
+        """One SSE event of the answer: the call's `result` (or its error raised), the body of an answer to post to a
+        question the server asks mid-call, or None for anything else."""
+        if event_id:
+            self.usable = False  # a resumable stream: later calls go through the SDK, which resumes them
+        if event != "message" or not data:
+            return None
+        try:
+            message = _decode.decode(data)
+        except msgspec.DecodeError as exc:
+            raise MCPError(PARSE_ERROR, f"Failed to parse SSE message: {exc}") from None
+        if isinstance(message, dict) and "method" in message:
+            if "id" in message:  # the server asks us something mid-call
+                self.usable = False
+                return _encode.encode(_refusal(message))
+            return None  # notifications (progress, logs): the worker has no handler for them
+        return _outcome(message, PARSE_ERROR, "Failed to parse SSE message")
+
+    async def _refuse(self, answer: bytes) -> None:
+        response = await self.upstreams.request("POST", self.target, self._headers({}), answer, self.connect_timeout)
         try:
             await response.read()
         finally:
             response.release()
+
+    def _refuse_blocking(self, answer: bytes, deadline: float) -> None:
+        """`_refuse` on a connection of its own: the call's is still carrying the call's answer."""
+        connection = BlockingConnection(self.target, self.connect_timeout)
+        try:
+            connection.request("POST", self._headers({}), answer, deadline).read()
+        finally:
+            connection.close()
+
+
+def _refusal(request: dict[str, Any]) -> dict[str, Any]:
+    """The answer the SDK gives a server->client request when it has no callback for it."""
+    method = request.get("method")
+    if method == "ping":
+        return {"jsonrpc": "2.0", "id": request["id"], "result": {}}
+    error = (
+        {"code": INVALID_REQUEST, "message": _UNHANDLED[method]}
+        if method in _UNHANDLED
+        else {"code": METHOD_NOT_FOUND, "message": "Method not found", "data": method}
+    )
+    return {"jsonrpc": "2.0", "id": request["id"], "error": error}
+
+
+def _stream_ended() -> MCPError:
+    return MCPError(CONNECTION_CLOSED, "SSE stream ended without a response")
 
 
 def _error(error: dict[str, Any]) -> MCPError:
@@ -264,31 +344,39 @@ def _outcome(message: Any, code: int, what: str) -> dict[str, Any]:
     raise MCPError(code, f"{what}: not a JSON-RPC answer: {message!r:.200}")
 
 
-async def _events(response: Response) -> AsyncIterator[tuple[str, str, str | None]]:
-    """(event, data, id) per SSE event (WHATWG's parsing: field lines, data lines joined, a blank line ends one)."""
-    pending = b""
-    event, data, event_id, size = "", [], None, 0
-    async for chunk in response.chunks():
-        text, carry = pending + chunk, b""
+class SseEvents:
+    """(event, data, id) per SSE event, fed the stream as it comes (WHATWG's parsing: field lines, data lines
+    joined, a blank line ends one)."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+        self._next()
+
+    def _next(self) -> None:
+        self.event, self.event_id, self.size = "", None, 0
+        self.data: list[str] = []
+
+    def feed(self, chunk: bytes) -> Iterator[tuple[str, str, str | None]]:
+        text, carry = self.pending + chunk, b""
         if text.endswith(b"\r"):  # maybe half of a CRLF: decide with the next chunk
             text, carry = text[:-1], b"\r"
         *lines, pending = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-        pending += carry
+        self.pending = pending + carry
         for line in lines:
             if not line:
-                if data or event_id:
-                    yield event or "message", "\n".join(data), event_id
-                event, data, event_id, size = "", [], None, 0
+                if self.data or self.event_id:
+                    yield self.event or "message", "\n".join(self.data), self.event_id
+                self._next()
                 continue
             field, _, value = line.partition(b":")
             if value.startswith(b" "):
                 value = value[1:]
             if field == b"data":
-                size += len(value)
-                if size > MAX_SSE_EVENT:
+                self.size += len(value)
+                if self.size > MAX_SSE_EVENT:
                     raise MCPError(CONNECTION_CLOSED, f"SSE stream failed: an event over {MAX_SSE_EVENT} bytes")
-                data.append(value.decode())
+                self.data.append(value.decode())
             elif field == b"event":
-                event = value.decode()
+                self.event = value.decode()
             elif field == b"id":
-                event_id = value.decode() or None
+                self.event_id = value.decode() or None

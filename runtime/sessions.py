@@ -10,7 +10,10 @@ Failures come back as `SessionError`s that say whether trying again can help: th
 them, the pool only reconnects.
 
 The worker's `call_tool` over streamable HTTP skips the SDK's client once the session is up: one
-POST on runtime/http_client.py, built and read as the SDK would (runtime/lean_call.py).
+POST on runtime/http_client.py, built and read as the SDK would (runtime/lean_call.py), sent and
+read by the calling thread itself on a blocking keep-alive connection of its own (`_direct`): the
+hand-over to the loop's thread and back cost more than the POST. The loop still connects, lists
+tools and serves whatever needs the SDK's session.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import contextlib
 import importlib.metadata
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 import httpx2
@@ -30,11 +33,20 @@ from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.session import MessageHandlerFnT
 from mcp.client.streamable_http import streamable_http_client
 from mcp_saga.runtime import tracing
+from mcp_saga.runtime.http_client import BlockingConnection, UpstreamError
 from mcp_saga.runtime.lean_call import LeanChannel, NotLean
 from mcp_saga.runtime.logs import get_logger
 from mcp_saga.runtime.recovery_wire import ToolDeclaration, read_tool_declarations
 from mcp_saga.schemas.config import ServerConfig
-from mcp_types import CONNECTION_CLOSED, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, Implementation
+from mcp_types import (
+    CONNECTION_CLOSED,
+    HEADER_MISMATCH,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    Implementation,
+)
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 log = get_logger("sessions")
 T = TypeVar("T")
@@ -135,6 +147,10 @@ class _Owner:
         self.connects = 0
         self.tools: tuple[float, dict[str, ToolDeclaration]] | None = None
         self.inflight: set[_Request] = set()
+        # The connected session's client, while there is one (read by `SessionPool`'s calls from other threads),
+        # and what is set once it is gone.
+        self.live: Client | None = None
+        self.ended = asyncio.Event()
 
     def submit(self, request: _Request | object) -> None:
         if self.task is None or self.task.done():
@@ -169,10 +185,15 @@ class _Owner:
                 self.connects += 1
                 self.delay = 0.0
                 log.info("mcp session connected", server=self.name, target=self.target())
-                request = first
-                while request is not _CLOSE:
-                    tasks.start_soon(self.run, client, request)
-                    request = await self.queue.get()
+                self.live, self.ended = client, asyncio.Event()
+                try:
+                    request = first
+                    while request is not _CLOSE:
+                        tasks.start_soon(self.run, client, request)
+                        request = await self.queue.get()
+                finally:
+                    self.live = None
+                    self.ended.set()
                 tasks.cancel_scope.cancel()
             for pending in self.inflight:
                 _fail(pending, TransportError(f"{self.name}: session closed during the call"))
@@ -187,16 +208,13 @@ class _Owner:
             request.future.add_done_callback(lambda _: scope.cancel())
             try:
                 result = await request.run(client)
-            except MCPError as exc:
-                if exc.code == CONNECTION_CLOSED or (exc.code == INVALID_REQUEST and "terminated" in str(exc)):
-                    _fail(request, TransportError(f"{self.name}: {exc}"))
-                    raise _Reconnect from exc
-                _fail(request, ProtocolError(exc.code, str(exc)))
-            except (RuntimeError, ValueError) as exc:  # the SDK's output-schema and model validation
-                _fail(request, InvalidResult(f"{self.name}: {exc}"))
             except Exception as exc:
-                _fail(request, TransportError(f"{self.name}: {_describe(exc)}"))
-                raise
+                error, broken = _classify(self.name, exc)
+                _fail(request, error)
+                if broken and isinstance(exc, MCPError):
+                    raise _Reconnect from exc
+                if broken:
+                    raise
             else:
                 if not request.future.done():
                     request.future.set_result(result)
@@ -225,6 +243,32 @@ class _Owner:
         target = self.config.url or " ".join(self.config.command or [])
         return target if len(target) <= 120 else target[:117] + "..."
 
+    async def drop(self, client: Client, cause: Exception) -> None:
+        """End a session that a call made outside the loop found broken, as a call on the loop that broke would
+        have (the calls in flight on it fail), and return once it is gone: the caller's next call reconnects."""
+        if self.live is not client:  # already gone
+            return
+        ended = self.ended
+
+        async def broken(_: Client) -> None:
+            raise _Reconnect from cause
+
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda done: done.exception())  # its error is for the log, not for a caller
+        self.submit(_Request(broken, future))
+        await ended.wait()
+
+
+def _classify(server: str, exc: Exception) -> tuple[SessionError, bool]:
+    """What a call's exception is to its caller, and whether the session it was made on is broken."""
+    if isinstance(exc, MCPError):
+        if exc.code == CONNECTION_CLOSED or (exc.code == INVALID_REQUEST and "terminated" in str(exc)):
+            return TransportError(f"{server}: {exc}"), True
+        return ProtocolError(exc.code, str(exc)), False
+    if isinstance(exc, RuntimeError | ValueError):  # the SDK's output-schema and model validation
+        return InvalidResult(f"{server}: {exc}"), False
+    return TransportError(f"{server}: {_describe(exc)}"), True
+
 
 @contextlib.asynccontextmanager
 async def _http_transport(
@@ -241,6 +285,16 @@ async def _http_transport(
             await stack.enter_async_context(lean.upstreams)
         http = await stack.enter_async_context(httpx2.AsyncClient(headers=headers, timeout=limits, event_hooks=hooks))
         yield await stack.enter_async_context(streamable_http_client(url, http_client=http))
+
+
+def _at_once(coro: Coroutine[Any, Any, T]) -> T:
+    """Run, in this thread, a coroutine known to finish without suspending (`LeanChannel.settles_at_once`)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    coro.close()
+    raise AssertionError("a coroutine that was to finish at once waited")
 
 
 def _fail(request: Any, error: SessionError) -> None:
@@ -367,6 +421,9 @@ class SessionPool:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # Each calling thread's own connections (`_direct`), and all of them, to close with the pool.
+        self._local = threading.local()
+        self._blocking: list[BlockingConnection] = []
 
     def call_tool(
         self,
@@ -382,6 +439,12 @@ class SessionPool:
         recorded (they would be missing) or the channel stepped aside for this server."""
         owner = self._sessions.owner(server)
         wait = timeout or owner.config.timeout
+        live, channel = owner.live, owner.lean
+        if live is not None and channel is not None and channel.ready(live.session) and not tracing.sdk_spans():
+            with contextlib.suppress(NotLean):
+                direct = self._direct(owner, live, channel, name, arguments or {}, meta, wait)
+                if direct is not None:
+                    return direct
 
         async def call(client: Client) -> dict[str, Any]:
             lean = owner.lean
@@ -395,6 +458,55 @@ class SessionPool:
             return result.model_dump(by_alias=True, mode="json", exclude_none=True)
 
         return self._submit(server, call, timeout)
+
+    def _direct(
+        self,
+        owner: _Owner,
+        client: Client,
+        lean: LeanChannel,
+        name: str,
+        arguments: dict[str, Any],
+        meta: dict[str, Any] | None,
+        timeout: float,
+    ) -> dict[str, Any] | None:
+        """The lean call made by the calling thread on a connection of its own, with no hand-over to the loop's
+        thread and back; None when the loop must make it after all (the server refused it unrun). What needs the
+        SDK's session (a listing to fetch for the output schema, input-required rounds) goes to the loop."""
+        session = client.session
+        try:
+            try:
+                connection = self._connection(owner.name, lean)
+                raw = lean.send_blocking(connection, session, name, arguments, meta, time.monotonic() + timeout)
+            except MCPError as refused:
+                if refused.code == HEADER_MISMATCH and session.protocol_version in MODERN_PROTOCOL_VERSIONS:
+                    return None  # a stale listing: the loop's call re-lists the tools and sends it once more
+                raise
+            result = lean.result_of(session, name, raw)
+            if lean.settles_at_once(session, name, result):
+                settled = _at_once(lean.settle(client, name, arguments, meta, result))
+            else:
+                settled = self._submit(
+                    owner.name, lambda _: lean.settle(client, name, arguments, meta, result), timeout
+                )
+        except TimeoutError:
+            raise CallTimeout(f"{owner.name}: no answer within {timeout:g} s") from None
+        except (MCPError, UpstreamError, OSError, RuntimeError, ValueError) as exc:  # not NotLean, not RQ's timeout
+            error, broken = _classify(owner.name, exc)
+            if broken:
+                with contextlib.suppress(SessionError):
+                    self._run(owner.drop(client, exc), owner.config.timeout)
+            raise error from exc
+        return settled.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+    def _connection(self, server: str, lean: LeanChannel) -> BlockingConnection:
+        """This thread's connection to the server (kept across jobs and reconnected sessions)."""
+        held: dict[str, BlockingConnection] = self._local.__dict__.setdefault("connections", {})
+        connection = held.get(server)
+        if connection is None or connection.target != lean.target:
+            connection = held[server] = BlockingConnection(lean.target, lean.connect_timeout)
+            with self._lock:
+                self._blocking.append(connection)
+        return connection
 
     @contextlib.contextmanager
     def slot(self, server: str) -> Iterator[bool]:
@@ -452,6 +564,8 @@ class SessionPool:
             log.error("closing mcp sessions failed", error=_describe(exc), exc_info=True)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout)
+        for connection in self._blocking:
+            connection.close()
 
     def __enter__(self) -> SessionPool:
         return self

@@ -419,6 +419,13 @@ def guarantee_problems(config: Config) -> tuple[list[str], list[str]]:
             f"coordinator.in_doubt_after ({c.in_doubt_after:g} s) must be shorter than coordinator.idle_ttl "
             f"({c.idle_ttl} s): a workflow whose agent died mid-call would expire before its in-doubt step is settled"
         )
+    g = config.gateway
+    if g.intents and g.on_idle == "complete" and g.idle_timeout >= c.in_doubt_after:
+        warnings.append(
+            f"gateway.idle_timeout ({g.idle_timeout:g} s) is not shorter than coordinator.in_doubt_after "
+            f"({c.in_doubt_after:g} s): a quiet session with a call that never answered is failed and unwound "
+            "by the coordinator before on_idle = complete applies"
+        )
     slowest = max((s.timeout for s in config.servers.values()), default=0.0)
     if slowest and w.job_timeout <= slowest:
         refusals.append(

@@ -19,9 +19,16 @@ WIRE_VERSION = 1
 # Revisions of the contract within wire version 1: each only adds (an event type, an optional
 # field), so an entry valid under an older revision is valid under every later one. The exported
 # JSON Schemas carry the revision a type was added in; a coordinator older than that revision
-# dead-letters the type as unknown. Revision 2 added the intent and the in-doubt settling.
-CONTRACT_REVISION = 2
-ADDED_IN_REVISION: dict[str, int] = {"step-started": 2, "recall-succeeded": 2, "recall-failed": 2}
+# dead-letters the type as unknown. Revision 2 added the intent and the in-doubt settling; revision 3
+# the reading of a live declaration for a step whose event carried none.
+CONTRACT_REVISION = 3
+ADDED_IN_REVISION: dict[str, int] = {
+    "step-started": 2,
+    "recall-succeeded": 2,
+    "recall-failed": 2,
+    "declaration-read": 3,
+    "declaration-failed": 3,
+}
 # A documented cap: an entry's `data` larger than this is dead-lettered, which keeps one hostile
 # publisher from making the coordinator hold megabytes per step.
 MAX_DATA_BYTES = 256 * 1024
@@ -204,6 +211,26 @@ class RecallFailed(Report):
     retryable: bool = False
 
 
+class DeclarationRead(Report):
+    """A worker listed the step's server live (for a step whose event carried no recovery): `recovery`
+    is the tool's declaration as listed (None: it declares none), `annotations` the rest of its
+    annotations, `listed` whether the server lists the tool at all, `listed_at` when (epoch seconds)."""
+
+    TYPE: ClassVar[str] = "declaration-read"
+    recovery: dict[str, Any] | None = None
+    annotations: dict[str, Any] | None = None
+    listed: bool = True
+    listed_at: float = 0.0
+
+
+class DeclarationFailed(Report):
+    """A worker could not list the step's server (transport error, timeout) or was refused."""
+
+    TYPE: ClassVar[str] = "declaration-failed"
+    error: Text = ""
+    retryable: bool = False
+
+
 class OperatorCommand(Wire):
     step: StepId | None = None
     by: Annotated[str, Meta(max_length=BY_MAX)] = "operator"
@@ -236,6 +263,8 @@ Payload = (
     | CompensationRefused
     | RecallSucceeded
     | RecallFailed
+    | DeclarationRead
+    | DeclarationFailed
     | OperatorRetry
     | OperatorResolve
     | OperatorSkip
@@ -253,6 +282,8 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
         CompensationRefused,
         RecallSucceeded,
         RecallFailed,
+        DeclarationRead,
+        DeclarationFailed,
         OperatorRetry,
         OperatorResolve,
         OperatorSkip,
@@ -283,6 +314,8 @@ class Event(Struct, frozen=True):
 _FIELD_NAMES = {"type": b"type", "workflow": b"workflow"}
 # Workflow ids already checked (each workflow sends many events); a bounded cache, cleared when full.
 _CHECKED_WORKFLOWS: set[str] = set()
+# Step ids already checked against STEP_ID (workflows share their step names); bounded the same way.
+_CHECKED_STEPS: set[str] = set()
 
 
 class InvalidEvent(ValueError):
@@ -326,10 +359,13 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes], *, strict: bool = Fa
         raise InvalidEvent("missing field 'data'")
     if len(raw) > MAX_READ_BYTES:
         raise InvalidEvent(f"data is {len(raw)} bytes, over the {MAX_READ_BYTES}-byte cap of what is read at all")
-    try:  # msgspec skips unknown keys without reading them, and `raw` is stored and read elsewhere
-        raw.decode()
-    except UnicodeDecodeError:
-        raise InvalidEvent("field 'data' is not valid UTF-8") from None
+    # msgspec skips unknown keys without reading them, and `raw` is stored and read elsewhere. ASCII
+    # (the common case: JSON escapes the rest) is UTF-8: checked in one pass, with no copy decoded.
+    if not raw.isascii():
+        try:
+            raw.decode()
+        except UnicodeDecodeError:
+            raise InvalidEvent("field 'data' is not valid UTF-8") from None
     repairs: tuple[str, ...] = ()
     try:
         if len(raw) > MAX_DATA_BYTES:
@@ -347,12 +383,16 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes], *, strict: bool = Fa
         raise InvalidEvent(f"{kind} data: {exc}") from None
     if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and _too_deep(data):  # counting first: cheap
         raise InvalidEvent(f"{kind} data: JSON nested deeper than {MAX_DEPTH} levels")
+    # msgspec's pattern check uses re.search: the fullmatch runs once per step id.
     step = getattr(data, "step", None)
-    if step is not None:  # msgspec's pattern check uses re.search
+    if step is not None and not (type(step) is str and step in _CHECKED_STEPS):
         try:
             check_step_id(step)
         except ValueError as exc:
             raise InvalidEvent(f"{kind} data: {exc}") from None
+        if len(_CHECKED_STEPS) >= 10_000:
+            _CHECKED_STEPS.clear()
+        _CHECKED_STEPS.add(step)
     return Event(id=entry_id, type=kind, workflow=workflow, data=data, raw=raw, repairs=repairs)
 
 
@@ -360,6 +400,15 @@ _DROP = object()
 # Fields whose value may be replaced by an empty one when an entry is over MAX_DATA_BYTES, largest
 # first in practice; a binding that reads them then fails to resolve and says so (never a guess).
 _SHEDDABLE = ("annotations", "result", "arguments")
+
+
+def field_repair(repairs: tuple[str, ...], name: str) -> str | None:
+    """The note saying decoding left out or cut the top-level field `name`, if it did.
+
+    An intent whose arguments were left out must not be called again with what remains: that
+    would be a call with guessed arguments (SEP-3172 4.2). The notes are made in this module
+    (`_fit_struct`, `_repaired`), as `NAME: ...` or `NAME (N bytes) ...`."""
+    return next((note for note in repairs if note.startswith((f"{name}:", f"{name} ("))), None)
 
 
 def cut_text(text: str, limit: int) -> str:

@@ -13,7 +13,15 @@ from typing import Any
 
 import msgspec
 from mcp_saga.schemas.events import ADDED_IN_REVISION, CONTRACT_REVISION, PAYLOAD_TYPES, WIRE_VERSION
-from mcp_saga.schemas.records import Compensation, CompensationJob
+from mcp_saga.schemas.records import (
+    JOB_FIELDS_OF_REVISION_2,
+    KINDS_ADDED_IN_REVISION,
+    OPEN,
+    RECORD_FIELDS_OF_REVISION_2,
+    RECORD_FIELDS_OF_REVISION_3,
+    Compensation,
+    CompensationJob,
+)
 from mcp_saga.schemas.recovery import Recovery
 
 OUT = Path(__file__).resolve().parent / "json"
@@ -34,8 +42,20 @@ def schemas() -> dict[str, dict[str, Any]]:
     recovery = Recovery.model_json_schema(by_alias=True)
     recovery["title"] = "SEP-3172 ToolAnnotations.recovery"
     found["recovery.json"] = recovery
-    found["compensation-record.json"] = msgspec.json.schema(Compensation)
-    found["compensation-job.json"] = msgspec.json.schema(CompensationJob)
+    record, job = msgspec.json.schema(Compensation), msgspec.json.schema(CompensationJob)
+    revision = {"version": WIRE_VERSION, "revision": CONTRACT_REVISION}
+    record["x-saga-wire"] = {
+        **revision,
+        "fieldsAddedInRevision": {"2": list(RECORD_FIELDS_OF_REVISION_2), "3": list(RECORD_FIELDS_OF_REVISION_3)},
+        "statusesAddedInRevision": {"2": sorted(OPEN)},
+        "kindsAddedInRevision": KINDS_ADDED_IN_REVISION,
+    }
+    job["x-saga-wire"] = {
+        **revision,
+        "fieldsAddedInRevision": {"2": list(JOB_FIELDS_OF_REVISION_2)},
+        "kindsAddedInRevision": KINDS_ADDED_IN_REVISION,
+    }
+    found["compensation-record.json"], found["compensation-job.json"] = record, job
     return found
 
 

@@ -55,5 +55,3 @@ def operator_refusal(command: str, comp: Compensation) -> str | None:
         if status in ("succeeded", "skipped", "resolved"):
             return f"step {step!r} is {status}; there is nothing left to approve"
     return None
-
-

@@ -28,7 +28,7 @@ CompStatus = Literal[
     "started",
     "in-doubt",
 ]
-JobKind = Literal["compensation", "recall"]
+JobKind = Literal["compensation", "recall", "declaration"]
 WORKFLOW_STATUSES: tuple[str, ...] = get_args(WorkflowStatus)
 COMP_STATUSES: tuple[str, ...] = get_args(CompStatus)
 # A compensation in one of these states needs nothing more from the coordinator.
@@ -38,6 +38,16 @@ IN_FLIGHT: frozenset[str] = frozenset({"queued", "running"})
 # `started` while the workflow runs (the call may still answer), `in-doubt` once the workflow is
 # unwinding and nothing can settle it automatically (an operator must).
 OPEN: frozenset[str] = frozenset({"started", "in-doubt"})
+# What wire revision 2 (issue 14: intents, in-doubt steps, recalls) added to the stored records, by
+# wire name; a reader of revision 1 ignores the fields and knows neither status. The exported
+# schemas say so (schemas/export.py).
+RECORD_FIELDS_OF_REVISION_2 = ("forwardKey", "inDoubt", "openIntent", "failedCall", "kind", "ifInDoubt", "recovery")
+JOB_FIELDS_OF_REVISION_2 = ("kind",)
+# Revision 3 (issue 13: a step whose event carried no recovery is planned from the server's live
+# declaration): the record's `result` (what the plan is made from once the declaration is read)
+# and the `declaration` value of the record's and the job's `kind`.
+RECORD_FIELDS_OF_REVISION_3 = ("result",)
+KINDS_ADDED_IN_REVISION: dict[str, int] = {"recall": 2, "declaration": 3}
 # Workflow statuses after which new step events are late.
 UNWINDING: frozenset[str] = frozenset({"failed", "compensating", "compensated", "needs-attention"})
 
@@ -118,7 +128,8 @@ class Compensation(Struct, rename="camel", omit_defaults=False):
     # An intent settled by an `isError` answer: a failed call, which `stepsCompleted` does not count.
     failed_call: bool = False
     # What a dispatch of this record does: undo the step, or (for an in-doubt step of an
-    # idempotent tool) call the original tool again with its forward key to learn its result.
+    # idempotent tool) call the original tool again with its forward key to learn its result, or
+    # (for a step whose event carried no recovery) read the server's live declaration of the tool.
     kind: JobKind = "compensation"
     # For a started step: the status its plan takes if the workflow unwinds before the step is
     # settled, and the recovery declaration its intent carried (a recall's result is planned with it).
@@ -128,6 +139,9 @@ class Compensation(Struct, rename="camel", omit_defaults=False):
     # latest (0: none waits): silence counts from here, so a retry's backoff is never silence. For a
     # failed step of a routing slip (no RQ retry behind it): when its next dispatch may run.
     retry_at: float = 0.0
+    # A `declaration` record: the step's recorded result, which the plan binds once the live
+    # declaration is read (`arguments` holds its recorded arguments meanwhile).
+    result: dict[str, Any] | None = None
     # The RQ job id of the routing slip that carries this dispatch behind the slip's first step
     # ('' when the dispatch is a job of its own): the watchdog reads that job's status.
     via: str = ""
@@ -160,6 +174,8 @@ class CompensationJob(Struct, rename="camel", frozen=True):
     trace: dict[str, str] | None = None
     # `recall`: `operation_id` is the step's own tool, `arguments` its original arguments and
     # `idempotency_key` its forward key; the worker reports recall-succeeded / recall-failed.
+    # `declaration`: `operation_id` is the step's own tool, which is not called: the worker reads the
+    # server's live tools/list and reports declaration-read / declaration-failed.
     kind: JobKind = "compensation"
     # The routing slip: compensations to run after this one, in this order, once it succeeded and
     # while each next one's record still says it is queued under this slip (see workers/job.py).

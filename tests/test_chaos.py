@@ -83,6 +83,10 @@ def test_reduced_chaos_run_keeps_every_guarantee(tmp_path) -> None:
     assert report.crashes_after_call >= 1, text  # a worker died between a call and its report
     assert report.injected_errors > 0, text
     assert report.double_effects == 0 and report.lost_events == 0, text
+    # Forward calls whose answer the agents gave up on (issue 14): every effect that landed so is on
+    # the stack, undone or flagged in doubt, and none goes unpublished.
+    assert report.answers_lost > 0 and report.in_doubt_undone + report.in_doubt_flagged > 0, text
+    assert report.unseen_effects == 0, text
     lost = "(lost with Redis's data)"
     # While Redis is full an orchestrator's XADD is refused too; the SDK tells its agent so (a note
     # "NOT published" on the error it raises), which the verifier counts apart from the settled ones.

@@ -133,12 +133,23 @@ async def forward_steps(redis_url: str, urls: dict[str, str], fail: asyncio.Even
 
 
 def status_text(driver: Any) -> str:
-    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     try:
         return driver.find_element(By.ID, "wf-status").text
-    except StaleElementReferenceException:  # swapped by the live update between find and read
+    except (NoSuchElementException, StaleElementReferenceException):  # mid-navigation, or swapped live
+        return ""
+
+
+def body_text(driver: Any) -> str:
+    """The page's text, or "" while a form's POST and redirect have the next page half loaded."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        return driver.find_element(By.TAG_NAME, "body").text
+    except (NoSuchElementException, StaleElementReferenceException):
         return ""
 
 
@@ -193,7 +204,7 @@ def test_an_unwind_watched_and_approved_in_a_real_browser(
 
         # Approve the refund from the page.
         browser.find_element(By.CSS_SELECTOR, f"#comp-{charge} button.act-approve").click()
-        wait_for(lambda: "approve applied by alice" in browser.find_element(By.TAG_NAME, "body").text, 20, "applied")
+        wait_for(lambda: "approve applied by alice" in body_text(browser), 20, "applied")
         browser.execute_script("window.__loaded = 'after approve'")
 
         # The rest of the unwind, live: the refund, then the release (which fails once and is retried).

@@ -245,6 +245,23 @@ def test_a_batch_read_ahead_is_acknowledged_only_after_its_commit(r: redis.Redis
     assert r.hget(K.state("order-2"), "steps") == b"2" and r.xpending(K.events, K.group)["pending"] == 0
 
 
+def test_a_short_batch_goes_straight_to_its_commit_and_its_ack_rides_with_the_blocking_read(r: redis.Redis) -> None:
+    """An idle stream's batch reads nothing ahead: no read sits between a failure and its load."""
+    coord = small_batches(r, 10)
+    publish(r, "order-1", step("a"), step("b"))
+    coord.step()
+    publish(r, "order-1", WorkflowFailed(reason="boom"))
+    reads = []
+    original = coord.store.record_ahead
+    coord.store.record_ahead = lambda *a, **kw: reads.append(a[0]) or original(*a, **kw)  # type: ignore[method-assign]
+    result = coord.step()
+    assert result.events == 1 and result.jobs == 1 and reads == []
+    # Committed and dispatched; its acknowledgement is owed to the next write, and goes with the read.
+    assert r.hget(K.state("order-1"), "status") == b"compensating" and len(queued_jobs(r)) == 1
+    assert r.xpending(K.events, K.group)["pending"] == 1
+    assert coord.step().events == 0 and r.xpending(K.events, K.group)["pending"] == 0
+
+
 def test_a_workflow_in_two_batches_in_flight_keeps_its_order_and_numbering(r: redis.Redis) -> None:
     """The second batch's steps of a workflow the first batch is committing are planned after it."""
     coord = small_batches(r, 3)
@@ -271,7 +288,12 @@ def test_a_flushed_script_is_loaded_again_and_the_batch_recorded(r: redis.Redis)
     coord.step()  # order-1 done, order-2 read ahead
     r.script_flush()  # a restarted Redis has no scripts: the commit read ahead meets NOSCRIPT
     coord.step()
-    assert r.hget(K.state("order-2"), "steps") == b"1" and r.xpending(K.events, K.group)["pending"] == 0
+    assert r.hget(K.state("order-2"), "steps") == b"1"
+    r.script_flush()  # and the straight path of a short batch, on an idle stream
+    publish(r, "order-3", step("z"))
+    assert coord.step().events == 1 and r.hget(K.state("order-3"), "steps") == b"1"
+    coord.step()
+    assert r.xpending(K.events, K.group)["pending"] == 0
 
 
 def test_a_coordinator_stopping_finishes_the_batch_it_read_ahead(r: redis.Redis) -> None:
@@ -307,3 +329,27 @@ def test_a_running_workflow_keeps_its_idle_ttl_without_an_expire_per_step(r: red
     publish(r, "order-1", step("c"))
     drain(coord)
     assert all(idle <= r.ttl(k) <= idle + idle // 1000 for k in keys)
+
+
+def test_a_redis_that_lost_its_scripts_still_gets_the_commit_and_its_job(
+    r: redis.Redis, redis_url: str, tmp_path
+) -> None:
+    """Commits go by digest: after a SCRIPT FLUSH (a restarted or failed-over Redis) the refused
+    commit is read again from the pending entries, committed once, and its compensation queued."""
+    proc = saga_process("coordinator", redis_url=redis_url, log=tmp_path / "c.log")
+    try:
+        publish(r, "warm", step("a"), WorkflowCompleted())  # a commit: the coordinator loaded its scripts
+        publish(r, "lost", step("a"), step("b"))
+        wait_for(lambda: r.hget(K.state("warm"), "status") == b"completed", 30, "the first commit")
+        wait_for(lambda: r.hget(K.state("lost"), "steps") == b"2", 30, "the steps to be recorded")
+        r.script_flush()
+        publish(r, "lost", WorkflowFailed(reason="boom"))
+        wait_for(lambda: r.hget(K.state("lost"), "status") == b"compensating", 30, "the failure to be committed")
+        wait_for(lambda: len(queued_jobs(r)) == 1, 30, "its compensation to be queued")
+        (job,) = queued_jobs(r)
+        assert [job.step, *(m.step for m in job.then)] == ["b", "a"]
+        wait_for(lambda: r.xpending(K.events, K.group)["pending"] == 0, 30, "every entry to be acknowledged")
+        assert proc.poll() is None, "the coordinator is still running"
+        assert "lost its scripts" in (tmp_path / "c.log").read_text()
+    finally:
+        assert stop(proc, signal.SIGTERM) == 0

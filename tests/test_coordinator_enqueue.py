@@ -7,15 +7,16 @@ A real redis-server; a plain RQ `SimpleWorker` (RQ's own path, not ours) runs wh
 from __future__ import annotations
 
 import time
+from datetime import datetime
 
 import msgspec
 import redis
 import redis.connection
-from mcp_saga.coordinator.queue import enqueue, enqueue_all
+from mcp_saga.coordinator.queue import RQ_TIMESTAMP, JobHash, _options, _retries, enqueue, enqueue_all, job_payload
 from mcp_saga.schemas.config import WorkerSettings
 from mcp_saga.schemas.keys import Keys
 from mcp_saga.schemas.records import JOB_FUNCTION, CompensationJob, idempotency_key
-from rq import Queue
+from rq import Queue, Retry
 from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry
 
@@ -103,3 +104,34 @@ def test_a_job_with_a_backoff_is_scheduled_by_rq(r: redis.Redis) -> None:
     assert later.job_id in ScheduledJobRegistry(queue=queue).get_job_ids()
     assert queue.get_job_ids() == [job(7).job_id]
     assert enqueue_all(queue, [later], SETTINGS) == [False]
+
+
+def test_the_job_hash_template_is_what_the_installed_rq_writes(r: redis.Redis) -> None:
+    """Guard for JobHash: built from a template once, each job's hash equals RQ's own for it.
+
+    RQ's Job.to_dict is the reference (created and prepared by RQ for the same queue, as RQ's
+    enqueue does); only the two timestamps differ, by when each was taken.
+    """
+    queue = Queue(K.queue, connection=r)
+    for settings, planned in [
+        (SETTINGS, job(8)),
+        (WorkerSettings(attempts=1), job(9)),
+        (SETTINGS, job(10, attempts_used=2)),
+    ]:
+        retries, intervals = _retries(planned, settings)
+        key, flat = JobHash.of(queue, settings.job_timeout).fields(planned, retries, intervals)
+        ours = dict(zip(flat[::2], flat[1::2], strict=True))
+        options = _options(planned, settings)
+        options.pop("unique")
+        options["timeout"] = options.pop("job_timeout")
+        options["retry"] = Retry(max=retries, interval=intervals) if retries else None
+        theirs = queue.create_job(JOB_FUNCTION, args=(job_payload(planned),), **options)
+        queue._prepare_for_queue(theirs)
+        reference = {
+            k: v if isinstance(v, bytes | str) else str(v) for k, v in theirs.to_dict().items() if v is not None
+        }
+        assert key == theirs.key
+        for stamp in ("created_at", "enqueued_at"):
+            assert datetime.strptime(ours.pop(stamp), RQ_TIMESTAMP) and reference.pop(stamp)
+        assert ours == reference
+        assert ("retries_left" in ours) == bool(retries)

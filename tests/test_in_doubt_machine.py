@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
+from mcp_saga.coordinator.machine import Machine, Rejected
 from mcp_saga.coordinator.planner import IN_DOUBT_BINDS_RESPONSE
 from mcp_saga.schemas.config import parse_config
 from mcp_saga.schemas.events import (
     CompensationSucceeded,
-    Event,
     OperatorRetry,
     OperatorSkip,
     RecallFailed,
@@ -16,21 +15,15 @@ from mcp_saga.schemas.events import (
     StepCompleted,
     StepStarted,
     WorkflowFailed,
-    encode_payload,
 )
-from mcp_saga.schemas.records import WorkflowState, forward_key
-from test_machine import RESERVE
+from mcp_saga.schemas.records import forward_key
+from test_machine import RESERVE, fold, new_view
 
 BY_ORDER = {
     "strategy": "compensation",
     "compensatingOperation": {"operationId": "refund_order", "parameters": {"orderId": "$request.body#/orderId"}},
 }
 WF = "order-1"
-
-
-def ev(payload, n: list[int] = [0]) -> Event:  # noqa: B006 - a counter
-    n[0] += 1
-    return Event(id=f"{n[0]}-0", type=payload.TYPE, workflow=WF, data=payload, raw=encode_payload(payload))
 
 
 def started(name: str, recovery=RESERVE, annotations=None, tool: str = "reserve_inventory") -> StepStarted:
@@ -60,16 +53,6 @@ def completed(name: str, recovery=RESERVE, tool: str = "reserve_inventory") -> S
 def machine() -> Machine:
     coordinator = {"barrier_grace": 5, "watchdog_after": 10, "claim_idle_ms": 1000, "in_doubt_after": 50}
     return Machine(parse_config({"coordinator": coordinator, "worker": {"backoff_max": 5}}))
-
-
-def fold(machine: Machine, view: WorkflowView, *payloads, now: float = 100.0) -> WorkflowView:
-    for payload in payloads:
-        machine.apply(view, ev(payload), now)
-    return view
-
-
-def new_view() -> WorkflowView:
-    return WorkflowView(WF, WorkflowState(), {}, full=True)
 
 
 def test_a_settled_intent_is_an_ordinary_step_at_the_place_of_its_intent(machine: Machine) -> None:

@@ -13,6 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,12 @@ async def slow(seconds: float) -> str:
 
 @app.tool()
 def die() -> str:
+    os._exit(3)
+
+@app.tool()
+async def dies_midway(ctx: Context) -> str:
+    await ctx.info("half way")  # on the call's SSE stream: the answer has begun
+    await asyncio.sleep(0.2)
     os._exit(3)
 
 app.run("streamable-http", port=int(sys.argv[1]), json_response=sys.argv[2] == "json")
@@ -189,6 +196,78 @@ def test_a_server_that_drops_the_connection_mid_call_is_a_transport_error() -> N
             assert proc.wait(5) == 3  # the call did reach the server, which went away under it
 
 
+def test_the_call_is_made_by_the_calling_thread_not_on_the_sessions_loop(
+    python_server: tuple[subprocess.Popen[bytes], str],
+) -> None:
+    """Once the session is up, a call goes out from the caller's thread on a connection of its own: it is
+    answered, and times out, while the sessions' loop is held up (as the hand-over to it and back is gone)."""
+    _, url = python_server
+    with SessionPool({"py": ServerConfig(url=url, timeout=10)}) as pool:
+        pool.call_tool("py", "echo", {"n": 1})  # connects on the loop; the tool's output schema is listed there
+        owner = pool._sessions.owner("py")
+        assert owner.live is not None and "echo" in owner.live.session._tool_output_schemas
+        held, release = threading.Event(), threading.Event()
+        assert pool._loop is not None
+        pool._loop.call_soon_threadsafe(lambda: (held.set(), release.wait(30)))
+        assert held.wait(5)
+        try:
+            assert pool.call_tool("py", "echo", {"n": 2}, timeout=2)["structuredContent"] == {"n": 2}
+            with pytest.raises(CallTimeout, match=r"no answer within 0\.5 s") as caught:
+                pool.call_tool("py", "slow", {"seconds": 30}, timeout=0.5)
+            assert caught.value.retryable
+            with pytest.raises(ProtocolError, match="not with these arguments"):
+                pool.call_tool("py", "refuses", timeout=2)
+        finally:
+            release.set()
+        assert pool.call_tool("py", "slow", {"seconds": 0})["structuredContent"] == {"result": "done"}
+        assert owner.lean is not None and owner.lean.direct == 4
+        assert pool.connects("py") == 1
+
+
+def test_rqs_job_timeout_stops_a_call_the_slot_thread_makes_itself(
+    python_server: tuple[subprocess.Popen[bytes], str],
+) -> None:
+    """A slot thread's job timeout (workers/watchdog.py) is an exception raised in that thread from outside: it
+    must land in the thread's own blocking read, which waits a second at a time, long before the call's timeout."""
+    from mcp_saga.workers.watchdog import WatchdogDeathPenalty
+    from rq.timeouts import JobTimeoutException
+
+    _, url = python_server
+    with SessionPool({"py": ServerConfig(url=url, timeout=120)}) as pool:
+        pool.call_tool("py", "echo", {"n": 1})
+        caught: list[BaseException] = []
+
+        def job() -> None:
+            try:
+                with WatchdogDeathPenalty(1, JobTimeoutException, job_id="slow"):
+                    pool.call_tool("py", "slow", {"seconds": 60})
+            except BaseException as exc:  # what RQ's perform_job sees
+                caught.append(exc)
+
+        slot = threading.Thread(target=job)
+        slot.start()
+        slot.join(30)  # well inside the call's 120 s timeout
+        assert not slot.is_alive()
+        assert len(caught) == 1 and isinstance(caught[0], JobTimeoutException)
+        assert str(caught[0]) == "Task exceeded maximum timeout value (1 seconds)"
+        assert pool.call_tool("py", "echo", {"n": 2})["structuredContent"] == {"n": 2}
+        assert pool.connects("py") == 1
+
+
+def test_a_server_that_drops_the_connection_mid_answer_fails_the_call_and_drops_the_session() -> None:
+    for proc, url in _python_server("sse"):
+        with SessionPool({"py": ServerConfig(url=url, timeout=5)}) as pool:
+            pool.call_tool("py", "echo", {"n": 1})
+            owner = pool._sessions.owner("py")
+            assert owner.lean is not None
+            direct = owner.lean.direct
+            with pytest.raises(TransportError, match="closed the connection before its answer ended") as caught:
+                pool.call_tool("py", "dies_midway")
+            assert caught.value.retryable and owner.lean.direct == direct + 1
+            assert owner.live is None  # dropped, as a call on the loop that broke drops it: the next one reconnects
+            assert proc.wait(5) == 3
+
+
 def test_an_old_protocol_server_with_sessions(ts_server: str) -> None:
     with SessionPool({"ts": ServerConfig(url=ts_server, timeout=10)}) as pool:
         # The first call may go through the SDK: nothing is sent before `notifications/initialized` was answered.
@@ -233,7 +312,13 @@ def test_the_private_sdk_names_the_lean_call_relies_on() -> None:
         assert callable(getattr(Client, name, None)), name
     assert callable(getattr(ClientSession, "validate_tool_result", None))
     source = Path(sdk_session.__file__).read_text()
-    for name in ("self._stamp(data, opts)", "self._call_tool_adapter", "self._negotiated_version"):
+    names = (
+        "self._stamp(data, opts)",
+        "self._call_tool_adapter",
+        "self._negotiated_version",
+        "self._tool_output_schemas",
+    )
+    for name in names:
         assert name in source, name
 
 

@@ -36,6 +36,8 @@ from mcp_saga.schemas.events import (
     CompensationFailed,
     CompensationRefused,
     CompensationSucceeded,
+    DeclarationFailed,
+    DeclarationRead,
     Event,
     OperatorApprove,
     OperatorResolve,
@@ -50,7 +52,7 @@ from mcp_saga.schemas.events import (
     encode_payload,
 )
 from mcp_saga.schemas.keys import STATUSES, Keys
-from mcp_saga.schemas.records import IN_FLIGHT, CompensationJob, forward_key
+from mcp_saga.schemas.records import IN_FLIGHT, CompensationJob, forward_key, idempotency_key
 
 WF = "wf"
 STEPS = "abcde"
@@ -73,6 +75,7 @@ class Protocol(RuleBasedStateMachine):
             {
                 "coordinator": {"barrier_grace": 5, "watchdog_after": 10, "claim_idle_ms": 1000},
                 "worker": {"attempts": 3, "backoff_max": 5},
+                "servers": {"svc": {"url": "http://svc/mcp"}},
             }
         )
         self.machine = Machine(config)
@@ -97,7 +100,7 @@ class Protocol(RuleBasedStateMachine):
     def started(self, steps: int, announced: bool) -> None:
         """Most runs start mid-workflow, so that the unwind, not the prologue, gets the rules."""
         for name in STEPS[:steps]:
-            self.step(name)
+            self.step(name, False)
         if steps:
             self.failure(steps + 1 if announced else None)
 
@@ -109,20 +112,27 @@ class Protocol(RuleBasedStateMachine):
             Event(id=f"{n}-0", type=payload.TYPE, workflow=WF, data=payload, raw=encode_payload(payload))  # type: ignore[attr-defined]
         )
 
-    @rule(name=st.sampled_from(STEPS))
-    def step(self, name: str) -> None:
+    @rule(name=st.sampled_from(STEPS), stripped=st.booleans())
+    def step(self, name: str, stripped: bool) -> None:
+        """`stripped`: published with `recovery: null` (a client library dropped it): the declaration is read live."""
         result = {"structuredContent": {"id": f"id-{name}"}}
-        self.publish(StepCompleted(step=name, server="svc", tool="do", result=result, recovery=RECOVERY))
+        recovery = None if stripped else RECOVERY
+        self.publish(StepCompleted(step=name, server="svc", tool="do", result=result, recovery=recovery))
 
-    @rule(name=st.sampled_from(STEPS), idempotent=st.booleans())
-    def intent(self, name: str, idempotent: bool) -> None:
+    @rule(name=st.sampled_from(STEPS), idempotent=st.booleans(), stripped=st.booleans())
+    def intent(self, name: str, idempotent: bool, stripped: bool) -> None:
         """A call announced before it is made; its step-completed (the `step` rule) may never come."""
         annotations = {"idempotentHint": True} if idempotent else None
         key = forward_key(WF, name)
         arguments = {"n": name}
         self.publish(
             StepStarted(
-                step=name, server="svc", tool="do", forward_key=key, arguments=arguments, recovery=RECOVERY,
+                step=name,
+                server="svc",
+                tool="do",
+                forward_key=key,
+                arguments=arguments,
+                recovery=None if stripped else RECOVERY,
                 annotations=annotations,
             )
         )
@@ -154,6 +164,12 @@ class Protocol(RuleBasedStateMachine):
             self.ok.add((job.step, job.dispatch))
         common = {"step": job.step, "dispatch": job.dispatch, "attempt": attempt}
         self.reports.setdefault(job.step, set()).add((job.dispatch, attempt))
+        if job.kind == "declaration":  # "refused": the live listing declares no recovery for the tool
+            if kind in ("ok", "refused"):
+                self.publish(DeclarationRead(**common, recovery=RECOVERY if kind == "ok" else None, listed_at=self.now))
+            else:
+                self.publish(DeclarationFailed(**common, final=kind == "final", retryable=kind == "retry", error="x"))
+            return
         if job.kind == "recall":
             if kind == "ok":
                 self.publish(RecallSucceeded(**common, result={"structuredContent": {"id": f"id-{job.step}"}}))
@@ -193,7 +209,7 @@ class Protocol(RuleBasedStateMachine):
         event = self.stream[pick % len(self.stream)]
         data = event.data
         stale = (
-            isinstance(data, CompensationFailed | CompensationRefused | RecallFailed)
+            isinstance(data, CompensationFailed | CompensationRefused | RecallFailed | DeclarationFailed)
             and data.step in view.comps
             and data.dispatch < view.comps[data.step].dispatch
         )
@@ -299,6 +315,8 @@ class Protocol(RuleBasedStateMachine):
         for job in self.jobs:
             if job.kind == "compensation":
                 assert job.arguments == {"id": f"id-{job.step}"}, job
+            elif job.kind == "declaration":  # calls nothing: lists the server for the step's own tool
+                assert job.operation_id == "do" and job.idempotency_key == idempotency_key(WF, job.step, "tools/list")
             else:
                 assert (job.operation_id, job.arguments) == ("do", {"n": job.step}), job
                 assert job.idempotency_key == forward_key(WF, job.step), job

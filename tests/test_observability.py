@@ -257,10 +257,14 @@ def test_counters_of_the_coordinators_add_up_to_what_happened(run: Run) -> None:
     assert run.total(c, "saga_workflow_settle_seconds_count", status="completed") == 1
     dispatched = "saga_compensations_dispatched_total"
     assert run.total(c, dispatched, server="payments", operation="refund_payment") == 2
-    # Twice when it rode in the refund's routing slip (taken back when the refund's first attempt
-    # failed, then dispatched again once the retried refund succeeded); once when it did not.
-    assert run.total(c, dispatched, server="inventory", operation="release_inventory") in (1, 2)
-    assert run.total(c, dispatched, server="notes", operation="remove_note") == 1
+    # The step below a refund rides in the refund's routing slip; the one slip whose refund took the
+    # injected failure is taken back and that step dispatched again once the retried refund succeeded.
+    # Which refund reaches payments first is a race (obs-shipping's and obs-traced's unwinds run in two
+    # worker slots at once), so either step may be the one dispatched twice, never both.
+    release = run.total(c, dispatched, server="inventory", operation="release_inventory")
+    remove = run.total(c, dispatched, server="notes", operation="remove_note")
+    assert release in (1, 2) and remove in (1, 2)
+    assert (release - 1) + (remove - 1) <= 1, (release, remove)
     assert run.total(c, "saga_batch_duration_seconds_count") >= 1
     assert run.total(c, "saga_coordinator_heartbeat_timestamp_seconds") > 0
 
@@ -388,4 +392,3 @@ def test_a_front_end_reads_the_current_trace_for_its_events() -> None:
     context = span.get_span_context()
     assert carried is not None
     assert carried.traceparent == f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
-

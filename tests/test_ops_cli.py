@@ -171,6 +171,23 @@ def test_inspect_shows_state_steps_compensations_and_timeline(r: redis.Redis, st
         assert expected in out, expected
 
 
+def test_inspect_shows_an_in_doubt_step_as_announced_without_an_answer(
+    r: redis.Redis, coord: Coordinator, saga: Run
+) -> None:
+    """A call announced (step-started) whose answer never came: the stack says so, and the record is flagged."""
+    from mcp_saga.runtime.publish import started_entry
+
+    intent = started_entry("order-11", "reserve", "inventory", "reserve_inventory", {}, RELEASE)
+    assert intent is not None
+    r.xadd(KEYS.events, intent)
+    publish(r, "order-11", WorkflowFailed(reason="the reservation timed out", steps_completed=0))
+    pump(coord)
+    code, out, _ = saga("inspect", "order-11")
+    assert code == 0
+    for expected in ("in the order the calls started", "no answer recorded (announced)", "in-doubt", "in doubt recall"):
+        assert expected in out, (expected, out)
+
+
 def test_inspect_json_is_complete(r: redis.Redis, stuck: str, saga: Run) -> None:
     code, out, _ = saga("inspect", stuck, "--json")
     assert code == 0

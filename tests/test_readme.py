@@ -23,21 +23,42 @@ def block_after(marker: str) -> list[str]:
     return [line for line in match.group(1).splitlines() if line.strip()]
 
 
+def run_redis_cli_block(marker: str, redis_url: str) -> None:
+    """Run the README's redis-cli block after `marker`, line by line, against `redis_url`."""
+    for line in block_after(marker):
+        assert line.startswith("redis-cli ")
+        command = line.replace("redis-cli ", f"redis-cli -u {redis_url} ", 1)
+        subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True)
+
+
 @pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli is not installed")
 def test_redis_cli_publishing_example_is_compensated(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
-    lines = block_after("redis-cli-example")
     coordinator = saga_process("coordinator", redis_url=redis_url, log=tmp_path / "coordinator.log")
     try:
-        for line in lines:
-            assert line.startswith("redis-cli ")
-            command = line.replace("redis-cli ", f"redis-cli -u {redis_url} ", 1)
-            subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True)
+        run_redis_cli_block("redis-cli-example", redis_url)
         keys = Keys()
         wait_for(lambda: r.hget(keys.state("order-7"), "status") == b"compensating", 20, "the coordinator")
         record = json.loads(r.hget(keys.comp("order-7"), "charge"))
         assert record["operationId"] == "refund_payment"
         assert record["arguments"] == {"transactionId": "TXN-7"}
         assert record["status"] == "queued"
+        assert not r.xlen(keys.dead_letter)
+    finally:
+        assert stop(coordinator) == 0
+
+
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli is not installed")
+def test_redis_cli_intent_example_is_in_doubt_and_undone_by_request(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    coordinator = saga_process("coordinator", redis_url=redis_url, log=tmp_path / "coordinator.log")
+    try:
+        run_redis_cli_block("redis-cli-intent-example", redis_url)
+        keys = Keys()
+        wait_for(lambda: r.hget(keys.state("order-8"), "status") == b"compensating", 20, "the coordinator")
+        record = json.loads(r.hget(keys.comp("order-8"), "charge"))
+        assert (record["operationId"], record["arguments"]) == ("refund_order", {"orderId": "order-8"})
+        assert (record["status"], record["inDoubt"], record["forwardKey"]) == ("queued", True, "order-8/charge")
         assert not r.xlen(keys.dead_letter)
     finally:
         assert stop(coordinator) == 0

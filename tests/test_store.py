@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 
 import redis
-from mcp_saga.coordinator.machine import Machine
+from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.coordinator.machine import Machine, WorkflowView
 from mcp_saga.coordinator.store import Store, _read_entries
+from mcp_saga.runtime.pipelined import pack
 from mcp_saga.schemas.config import parse_config
 from mcp_saga.schemas.events import StepCompleted, StepStarted
 from mcp_saga.schemas.records import forward_key, state_from_hash
@@ -49,6 +51,20 @@ def test_the_hand_packed_record_is_the_command_redis_py_would_send(r: redis.Redi
     expected = b"".join(Connection().pack_command("EVALSHA", store._record_steps.sha, len(keys), *keys, *args))
     assert store._packed_record(batches, now) == expected
     assert store._packed_record(batches, now) == expected  # and again, from the packed keys it kept
+
+
+def test_the_read_and_trail_record_ahead_packs_are_the_commands_redis_py_would_send(r: redis.Redis) -> None:
+    """record_ahead packs its read and its trail with hiredis directly: the bytes must be redis-py's."""
+    store = Store(r, CONFIG.keys(), CONFIG.coordinator)
+    keys = CONFIG.keys()
+    coord = Coordinator(r, CONFIG, name="coord-ü")
+    view = WorkflowView("ordér-1", state_from_hash({}), {}, True, outbox=[b'[{"id":"x/1"}]'])
+    commands = [
+        ("XREADGROUP", "GROUP", keys.group, coord.name, "COUNT", CONFIG.coordinator.batch, "STREAMS", keys.events, ">"),
+        *store.settle_commands([view], [b"1700000000000-%d" % n for n in range(100)]),
+    ]
+    for command in commands:
+        assert pack(command) == b"".join(Connection().pack_command(*command))
 
 
 def test_recorded_ahead_the_steps_are_written_and_the_reply_read(r: redis.Redis) -> None:

@@ -52,19 +52,22 @@ print(json.dumps(out))
 """
 
 
-def test_a_worker_attempt_is_one_client_span_and_none_when_unsampled(tmp_path: Path) -> None:
+def _script_spans(script: str, tmp_path: Path) -> tuple[dict, list[dict]]:
+    """Run `script` with spans exported to a file: what it printed last, and the spans it exported."""
     spans_file = tmp_path / "spans.jsonl"
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "SAGA_TRACES_FILE": str(spans_file)}
     env.pop("OTEL_SDK_DISABLED", None)
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
+    return out, [json.loads(line) for line in spans_file.read_text().splitlines()]
+
+
+def test_a_worker_attempt_is_one_client_span_and_none_when_unsampled(tmp_path: Path) -> None:
+    out, spans = _script_spans(SCRIPT, tmp_path)
     unsampled = f"00-{'ab' * 16}-{'cd' * 8}-00"
     assert out["unsampled"] == {"span": False, "carrier": {"traceparent": unsampled}}
 
-    spans = [json.loads(line) for line in spans_file.read_text().splitlines()]
     assert [s["name"] for s in spans] == ["saga compensation undo"] * 2  # no MCP SDK span beside them
     span, retried = spans
     assert span["kind"] == "SpanKind.CLIENT" and span["parent_id"] == "0x" + "cd" * 8
@@ -149,17 +152,9 @@ print(json.dumps({"carriers": carriers, "started": started, "kinds": kinds}))
 def test_the_worker_span_made_without_the_sdk_span_exports_as_the_sdk_span(tmp_path: Path) -> None:
     """The usual configuration's attempt span skips the SDK's `Span` (runtime/tracing.py `_Lean`);
     a processor that watches spans start makes it go the SDK's way: both export the same span."""
-    spans_file = tmp_path / "spans.jsonl"
-    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "SAGA_TRACES_FILE": str(spans_file)}
-    env.pop("OTEL_SDK_DISABLED", None)
-    done = subprocess.run(
-        [sys.executable, "-c", SAME_SPAN], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out, (lean, sdk) = _script_spans(SAME_SPAN, tmp_path)
     assert out["kinds"] == ["_LeanSpan", "_Span"]
     assert out["started"] == ["saga compensation undo"]  # the second attempt's start, the SDK's span
-    lean, sdk = (json.loads(line) for line in spans_file.read_text().splitlines())
     for span, carrier in zip((lean, sdk), out["carriers"], strict=True):
         span_id = span["context"].pop("span_id").removeprefix("0x")
         # The parent's random-trace-id flag (02) is kept, as the SDK keeps it; the state passes on.
@@ -168,3 +163,57 @@ def test_the_worker_span_made_without_the_sdk_span_exports_as_the_sdk_span(tmp_p
     assert lean == sdk
     assert lean["status"] == {"status_code": "ERROR", "description": "boom"}
     assert lean["attributes"]["saga.attempt"] == 2 and lean["parent_id"] == "0x" + "cd" * 8
+
+
+SAME_TRANSITION = """
+import json
+from types import SimpleNamespace
+from mcp_saga.runtime import tracing
+from mcp_saga.schemas.records import CompensationJob
+from opentelemetry import trace
+from opentelemetry.sdk.trace import SpanProcessor
+
+assert tracing.setup("coordinator")
+parent = {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-03", "tracestate": "vendor=x"}
+
+def transition():
+    job = CompensationJob(workflow="wf", step="s1", server="svc", tool="do", operation_id="undo", arguments={},
+                          idempotency_key="k", dispatch=1)
+    view = SimpleNamespace(workflow="wf", jobs=[job], loaded_status="running", state=SimpleNamespace(status="failed"))
+    traces = tracing.BatchTraces()
+    traces["wf"] = parent
+    tracing.transitions([view], traces, 1_700_000_000.25)
+    return view.jobs[0].trace
+
+sdk_spans = []  # the spans the SDK's tracer was asked for
+tracer = tracing._tracer()
+sdk_start = tracer.start_span
+tracer.start_span = lambda name, *args, **kwargs: sdk_spans.append(name) or sdk_start(name, *args, **kwargs)
+carriers = [transition()]
+started = []
+class Starts(SpanProcessor):
+    def on_start(self, span, parent_context=None):
+        started.append(span.name)
+
+trace.get_tracer_provider().add_span_processor(Starts())
+carriers.append(transition())
+tracing.shutdown()
+print(json.dumps({"carriers": carriers, "started": started, "sdk_spans": sdk_spans}))
+"""
+
+
+def test_the_transition_span_made_without_the_sdk_span_exports_as_the_sdk_span(tmp_path: Path) -> None:
+    """The coordinator's transition span skips the SDK's `Span` too (`_Lean`), started at its batch's
+    start; a processor that watches spans start makes it go the SDK's way: both export the same span."""
+    out, (lean, sdk) = _script_spans(SAME_TRANSITION, tmp_path)
+    assert out["sdk_spans"] == ["saga transition"]  # only the second transition's span went the SDK's way
+    assert out["started"] == ["saga transition"]
+    for span, carrier in zip((lean, sdk), out["carriers"], strict=True):
+        span_id = span["context"].pop("span_id").removeprefix("0x")
+        assert carrier == {"traceparent": f"00-{'ab' * 16}-{span_id}-03", "tracestate": "vendor=x"}
+        assert span.pop("end_time") >= span["start_time"]
+    assert lean == sdk
+    assert lean["kind"] == "SpanKind.INTERNAL" and lean["start_time"] == sdk["start_time"]
+    assert lean["attributes"] == {
+        "saga.workflow": "wf", "saga.status.from": "running", "saga.status.to": "failed", "saga.jobs": 1,
+    }  # fmt: skip

@@ -371,6 +371,9 @@ def test_settings_that_defeat_a_guarantee_are_refused_naming_the_field() -> None
         parse_config({"servers": {"s": {"url": "http://h/mcp", "timeout": 400}}})
     assert Config().warnings() == []
     assert "barrier_grace = 0" in parse_config({"coordinator": {"barrier_grace": 0}}).warnings()[0]
+    # A gateway that completes quiet sessions must do it before the coordinator fails one with an open call.
+    assert "gateway.idle_timeout" in parse_config({"gateway": {"on_idle": "complete"}}).warnings()[0]
+    assert parse_config({"gateway": {"on_idle": "complete", "idle_timeout": 600}}).warnings() == []
 
 
 def test_barrier_waits_while_a_step_of_the_workflow_is_pending_in_the_group(r: redis.Redis) -> None:

@@ -46,16 +46,18 @@ def test_the_lease_lives_through_a_slow_call_and_every_timed_out_attempt_is_repo
     seen = tmp_path / "arrivals"
     env = {"SAGA_TRIVIAL_ARRIVALS": str(seen)}
     with start_http_servers(
-        ("mcp_saga.examples.trivial", "--delay", "2.5"), ("mcp_saga.examples.trivial", "--delay", "3600"), env=env
+        ("mcp_saga.examples.trivial", "--delay", "3.0"), ("mcp_saga.examples.trivial", "--delay", "3600"), env=env
     ) as [(_, slow), (_, hung)]:
-        settings = {**FAST, "attempts": 3, "lease": 0.6}
+        # A lease of 1.2 s is renewed every 0.4 s: the call outlasts it 2.5 times, and only a stall
+        # of 0.8 s (not 0.4 s, which a box at load 10 gave) lets it lapse.
+        settings = {**FAST, "attempts": 3, "lease": 1.2}
         servers = {"slow": {"url": slow, "timeout": 10}, "hung": {"url": hung, "timeout": 1}}
         config = write_config(tmp_path / "saga.toml", servers, worker=settings)
         worker = start_worker(redis_url, config, "w-slow", tmp_path / "worker.log")
         try:
             plan(r, "slow-1", "s", {"n": 1}, server="slow", worker=settings, **NOOP)
             wait_for(lambda: 1 in arrivals(seen), what="the slow call to reach the server")
-            # The call takes about four leases; the heartbeat must keep the lease for all of it.
+            # The call takes 2.5 leases; the heartbeat must keep the lease for all of it.
             lease = K.lease("slow-1", "s")
             while not reports(r, "slow-1"):
                 assert r.exists(lease), "the lease lapsed while the call was in flight"

@@ -282,3 +282,29 @@ def test_a_recall_must_match_the_intent_on_the_stack() -> None:
     job = job_for(recall_record(), kind="recall")
     refusal = check_recall_live(job, config(), tools(idempotent_charge()), {**INTENT, "arguments": {}})
     assert refusal is not None and "other arguments than the recorded intent" in refusal.reason
+
+
+def declaration_record(**changes: Any) -> Compensation:
+    key = idempotency_key(WF, STEP, "tools/list")
+    return record(kind="declaration", operation_id="charge_payment", idempotency_key=key, source=None, **changes)
+
+
+def test_a_declaration_job_for_a_step_awaiting_one_passes_the_request_checks() -> None:
+    rec = declaration_record()
+    assert check_request(job_for(rec, kind="declaration"), rec, config()) is None
+
+
+@pytest.mark.parametrize(
+    ("rec", "changes", "why"),
+    [
+        (record(), {"kind": "declaration"}, "job reads a live declaration, but the record of step 'charge' plans a"),
+        (declaration_record(), {"kind": "declaration", "operation_id": "refund_payment"}, "the step's own tool"),
+        (declaration_record(), {"kind": "declaration", "server": "stranger"}, "not in this worker's registry"),
+        (declaration_record(), {"kind": "compensation"}, "plans a declaration"),
+    ],
+)
+def test_a_declaration_job_that_does_not_match_its_record_is_refused(
+    rec: Compensation, changes: dict[str, Any], why: str
+) -> None:
+    refusal = check_request(job_for(rec, **changes), rec, config())
+    assert refusal is not None and refusal.status == "unrecoverable" and why in refusal.reason, refusal

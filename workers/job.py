@@ -53,6 +53,8 @@ from mcp_saga.schemas.events import (
     CompensationFailed,
     CompensationRefused,
     CompensationSucceeded,
+    DeclarationFailed,
+    DeclarationRead,
     Payload,
     RecallFailed,
     RecallSucceeded,
@@ -485,6 +487,8 @@ class _Attempt:
         return None
 
     def _perform(self, record: Compensation) -> str:
+        if self.job.kind == "declaration":
+            return self._read_declaration(record)
         job, pool = self.job, self.ctx.pool
         try:
             refusal, tools = self._vet(record)
@@ -518,6 +522,37 @@ class _Attempt:
         self._report(CompensationSucceeded(**self._fields(final=True), result=_bounded(result)))
         self._log("info", "succeeded", duration_ms=self._elapsed_ms())
         return "succeeded"
+
+    def _read_declaration(self, record: Compensation) -> str:
+        """A `declaration` job: list the step's server live and report the tool's declaration.
+
+        Nothing is called: the coordinator plans the step from the report (the operator's overlay
+        first) as if its event had carried that declaration. The listing is asked for afresh, not
+        taken from the cache, since the plan is the server's word as of now.
+        """
+        job = self.job
+        refusal = trust.check_request(job, record, self.ctx.config)
+        if refusal is not None:
+            return self._failed(f"refused: {refusal.reason}", False)
+        try:
+            self.started = time.monotonic()
+            tools = self.ctx.pool.tools(job.server, refresh=True)
+        except SessionError as exc:
+            return self._failed(f"tools/list: {exc}", exc.retryable)
+        except JobTimeoutException:
+            return self._failed("the RQ job timeout ran out during tools/list", True)
+        declaration = tools.get(job.operation_id)
+        annotations = (
+            {k: v for k, v in declaration.annotations.items() if k != "recovery"} if declaration is not None else None
+        )
+        recovery = declaration.recovery if declaration is not None else None
+        listed = declaration is not None
+        report = DeclarationRead(
+            **self._fields(final=True), recovery=recovery, annotations=annotations, listed=listed, listed_at=time.time()
+        )
+        self._report(report)
+        self._log("info", "declaration read", listed=listed, declared=recovery is not None)
+        return f"declaration read: {'declared' if recovery is not None else 'none declared'}"
 
     def _vet(self, record: Compensation) -> tuple[trust.Refusal | None, dict[str, ToolDeclaration]]:
         """Trust checks; the server is asked for its tools only once the request itself passes."""
@@ -557,7 +592,7 @@ class _Attempt:
 
     def _failed(self, error: str, retryable: bool) -> str:
         final = not retryable or self.retries_left == 0
-        kind = RecallFailed if self.job.kind == "recall" else CompensationFailed
+        kind = _FAILED_REPORTS[self.job.kind]
         report = kind(**self._fields(final=final), error=clip(error), retryable=retryable)
         self._report(report)
         self._log("warning" if final else "info", "failed", retryable=retryable, final=final, error=clip(error))
@@ -617,6 +652,14 @@ class _Attempt:
             operation=job.operation_id,
             **fields,
         )
+
+
+# The report of a failed attempt, by the job's kind.
+_FAILED_REPORTS: dict[str, type[CompensationFailed | RecallFailed | DeclarationFailed]] = {
+    "compensation": CompensationFailed,
+    "recall": RecallFailed,
+    "declaration": DeclarationFailed,
+}
 
 
 def _recorded_step(entry: Any) -> StepCompleted | None:

@@ -38,12 +38,12 @@ from mcp_saga.runtime.redis_checks import check_redis
 from mcp_saga.schemas.config import Config
 from mcp_saga.workers.healing import HealingWorker
 from mcp_saga.workers.job import clear_context, session_pool, set_context
+from mcp_saga.workers.watchdog import WatchdogDeathPenalty
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
-from rq.timeouts import TimerDeathPenalty
 
 log = get_logger("worker")
 # Seconds between two of RQ's idle heartbeats (its worker key lives `worker_ttl`, 420 s).
@@ -78,11 +78,12 @@ class SlotWorker(SagaWorker):
     """An extra job slot in a thread of the worker process.
 
     Only the main thread may install signal handlers and use SIGALRM, so a slot installs none and
-    times jobs out with a timer; it waits for jobs a second at a time so that it notices within a
-    second that the process is stopping (RQ's own wait only ends with a job).
+    times jobs out with the process's one watchdog thread (workers/watchdog.py); it waits for jobs a
+    second at a time so that it notices within a second that the process is stopping (RQ's own wait
+    only ends with a job).
     """
 
-    death_penalty_class = TimerDeathPenalty
+    death_penalty_class = WatchdogDeathPenalty
 
     def _install_signal_handlers(self) -> None:
         pass

@@ -49,6 +49,8 @@ def check_request(job: CompensationJob, record: Compensation, config: Config) ->
         return _refuse(f"job targets server {server!r}, but step {record.step!r} ran on {record.server!r}")
     if job.kind == "recall":
         return _recall_request(job, record, config)
+    if job.kind == "declaration":
+        return _declaration_request(job, record)
     if record.kind != "compensation":
         return _refuse(f"job is a compensation, but the record of step {record.step!r} plans a {record.kind}")
     if operation != record.operation_id:
@@ -82,6 +84,16 @@ def _recall_request(job: CompensationJob, record: Compensation, config: Config) 
         return _refuse(f"policy denies {server}:{tool}")
     if decision == "approval" and not record.approved:
         return Refusal("awaiting-approval", f"policy requires approval for {server}:{tool} (a recall)")
+    return None
+
+
+def _declaration_request(job: CompensationJob, record: Compensation) -> Refusal | None:
+    """A declaration job calls nothing: it lists the step's server (registry and server are checked
+    above) for the declaration of the step's own tool, and only for a step that awaits one."""
+    if record.kind != "declaration":
+        return _refuse(f"job reads a live declaration, but the record of step {record.step!r} plans a {record.kind}")
+    if job.operation_id != record.tool:
+        return _refuse(f"a declaration job reads the step's own tool {record.tool!r}, not {job.operation_id!r}")
     return None
 
 

@@ -1,4 +1,5 @@
 """`python -m bench.chaos`: the full run, or (with --publish SPEC) one publisher process started by the run."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """The orchestrators: publisher processes that run scripted workflows through the SDK and record what they committed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +24,9 @@ class Plan:
 
     steps: list[tuple[str, str, dict[str, Any]]]
     fail_at: int | None = None  # index of the step that fails (or before which the agent gives up)
-    mode: str | None = None  # "tool": the call fails (isError); "raise": the agent's own code raises
+    # "tool": the call fails (isError); "raise": the agent's own code raises; "lost": the agent gives up
+    # on the call's answer (a short read timeout) while the server runs it, and fails the workflow
+    mode: str | None = None
 
 
 def plan_workflow(rng: random.Random, workflow: str, settings: Settings) -> Plan:
@@ -40,6 +43,9 @@ def plan_workflow(rng: random.Random, workflow: str, settings: Settings) -> Plan
                 steps.append(("shipping", "create_shipment", {"orderId": ref, "address": f"{i} Chaos Street"}))
     if rng.random() >= settings.fail_share:
         return Plan(steps)
+    if rng.random() < settings.lost_share:
+        at = rng.randrange(len(steps))
+        return Plan(steps[: at + 1], at, "lost")
     if rng.random() < 0.5:
         at = rng.randrange(len(steps))
         failing = {"orderId": f"{workflow}/{at}", "address": "nowhere", "simulateFailure": True}
@@ -121,13 +127,17 @@ async def run_workflow(
             for i, (server, tool, arguments) in enumerate(plan.steps):
                 if plan.mode == "raise" and plan.fail_at == i:
                     raise AgentGaveUp(f"agent gave up before step {i}")
+                lose = plan.mode == "lost" and plan.fail_at == i
+                options = {"read_timeout_seconds": settings.lost_answer_after} if lose else {}
                 try:
                     async with asyncio.timeout(settings.publisher_call_timeout):
-                        result = await wf.call(server, tool, arguments, step=f"s{i}")
+                        result = await wf.call(server, tool, arguments, step=f"s{i}", **options)
                 except (ToolCallFailed, StepNotRecorded):
                     raise
-                except Exception as exc:  # the transport: this client is done for
-                    if not isinstance(exc, redis.RedisError):
+                except Exception as exc:
+                    if lose:  # the injected give-up: the client itself is fine, only this answer is lost
+                        record["lostAnswer"] = f"s{i}"
+                    elif not isinstance(exc, redis.RedisError):  # the transport: this client is done for
                         links[server].failed(clients[server])
                     raise
                 holding = (result.structured_content or {})[FORWARD[tool][1]]
@@ -202,4 +212,3 @@ async def publish(spec: dict[str, Any]) -> None:
             link.close()
         await asyncio.wait(owners, timeout=10)
         await r.aclose()
-

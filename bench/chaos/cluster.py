@@ -1,4 +1,5 @@
 """The processes a chaos run starts and the faults it inflicts on them (SIGKILL, SIGSTOP, restarts)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -564,4 +565,3 @@ def _slots_of(port: int) -> set[int]:
                 first, _, last = part.partition("-")
                 slots.update(range(int(first), int(last or first) + 1))
     return slots
-

@@ -1,4 +1,5 @@
 """What a chaos run is given (Settings) and what it finds (Report), and the example servers' vocabulary."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -49,6 +50,10 @@ class Settings:
     max_steps: int = 5
     fail_share: float = 0.4  # share of workflows that fail, at a random step
     fail_rate: float = 0.2  # share of compensation calls the servers fail transiently
+    # Share of failing workflows that fail on a forward call whose answer the agent never gets: it
+    # gives up after `lost_answer_after` s while the server runs the call (issue 14's in-doubt steps).
+    lost_share: float = 0.25
+    lost_answer_after: float = 0.002
     # mcp-saga's own timeouts, short so that the watchdog, claims and leases all get exercised.
     watchdog_after: float = 4.0
     claim_idle_ms: int = 1000
@@ -123,6 +128,7 @@ class Report:
     unexpected_exits: int = 0
     injected_errors: int = 0
     transport_errors: int = 0  # compensation calls that got no answer (the server restart)
+    answers_lost: int = 0  # forward calls the agents gave up on after `lost_answer_after` (injected)
     dispatches: int = 0
     redispatches: int = 0
     crashes_after_call: int = 0
@@ -186,11 +192,13 @@ class Report:
             ("server restarts", f"{self.server_restarts} (+ {self.server_blackholes} black-holed: calls hang)"),
             ("redis restarts", f"{self.redis_restarts} (append-only file on)"),
             *(
-                [(
-                    "cluster primaries killed",
-                    f"{self.primary_kills} (SIGKILL; healthy again after {self.failover_seconds:.1f} s): "
-                    f"{self.failover_lost} acknowledged events lost with it",
-                )]
+                [
+                    (
+                        "cluster primaries killed",
+                        f"{self.primary_kills} (SIGKILL; healthy again after {self.failover_seconds:.1f} s): "
+                        f"{self.failover_lost} acknowledged events lost with it",
+                    )
+                ]
                 if self.primary_kills
                 else []
             ),
@@ -206,7 +214,8 @@ class Report:
             ),
             (
                 "injected errors",
-                f"{self.injected_errors} (+ {self.transport_errors} calls with no answer while a server restarted)",
+                f"{self.injected_errors} (+ {self.transport_errors} calls with no answer while a server restarted; "
+                f"{self.answers_lost} forward calls whose agent gave up on the answer)",
             ),
             (
                 "repeats absorbed",
@@ -272,4 +281,3 @@ class Report:
         lines = [f"| {'':{width}} | chaos run |", f"| {'-' * width} | --- |"]
         lines += [f"| {k:{width}} | {v} |" for k, v in rows]
         return "\n".join(lines)
-

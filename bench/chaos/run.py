@@ -1,4 +1,5 @@
 """The run itself: start the cluster and the publishers, strike the faults on schedule, wait, verify, watch expiry."""
+
 from __future__ import annotations
 
 import contextlib
@@ -305,4 +306,3 @@ def print_report(report: Report, out: Out = print) -> None:
             out(f"  - {violation}")
     else:
         out("\nevery guarantee held")
-

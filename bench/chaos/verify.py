@@ -1,4 +1,5 @@
 """Watching Redis while the run goes, and checking every guarantee against the servers' ledgers afterwards."""
+
 from __future__ import annotations
 
 import contextlib
@@ -506,6 +507,7 @@ def verify(
     known: set[str] = set()
     statuses: Counter[str] = Counter()
     for workflow, record in sorted(records.items()):
+        report.answers_lost += "lostAnswer" in record
         steps = record["steps"]
         known.update(s["holding"] for s in steps + record["unpublished"])
         report.steps += len(steps)
@@ -659,4 +661,3 @@ def verify(
         if comp and comp["status"] == "succeeded" and len(effects) == 1 and effects[0]["at"] <= died:
             report.repeat_calls += 1
             report.crash_repeats += 1
-
