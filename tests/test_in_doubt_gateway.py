@@ -47,10 +47,12 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
     stop_all(*started)
 
 
-def config_for(tmp: Path, url: str, gateway_port: int, **redis_settings: Any) -> Path:
+def config_for(tmp: Path, url: str, gateway_port: int, in_doubt_after: float = 2, **redis_settings: Any) -> Path:
+    """`in_doubt_after` fails a silent workflow with a call open: short where a test waits for it."""
     servers = {"inventory": {"url": url, "timeout": 5, "idempotent": ["reserve_inventory"]}}
     gateway = {"port": gateway_port, "tools": True, "token_env": "GW_TOKEN", "on_session_end": "fail"}
-    sections = {"coordinator": COORDINATOR, "worker": {"backoff_base": 0, "jitter": 0}, "gateway": gateway}
+    coordinator = {**COORDINATOR, "in_doubt_after": in_doubt_after}
+    sections = {"coordinator": coordinator, "worker": {"backoff_base": 0, "jitter": 0}, "gateway": gateway}
     if redis_settings:
         sections["redis"] = redis_settings
     return write_config(parse_config({"servers": servers, **sections}), tmp / "saga.toml")
@@ -92,7 +94,9 @@ def test_an_upstream_that_commits_then_drops_is_recalled_with_the_forward_key_an
     port, db, gateway_port = free_port("127.0.0.1"), tmp_path / "inventory.db", free_port()
     url = f"http://127.0.0.1:{port}/mcp"
     upstream = serve("mcp_saga.examples.inventory", port, db, "example.after-commit=kill")
-    config = config_for(tmp_path, url, gateway_port)
+    # The agent signals the failure itself, after the upstream's restart (seconds on a loaded box):
+    # the coordinator must not fail the workflow first and recall into the restart.
+    config = config_for(tmp_path, url, gateway_port, in_doubt_after=60)
     workflow = f"gw-drop-{transport}"
     for part in ("coordinator", "worker"):
         procs.append(saga_process(part, redis_url=redis_url, config=config, log=tmp_path / f"{part}.log"))
