@@ -20,7 +20,7 @@ from mcp_saga.examples import TRIVIAL
 from mcp_saga.schemas.config import Config, ServerConfig, WorkerSettings
 from mcp_saga.schemas.events import decode_entry
 from mcp_saga.schemas.keys import Keys
-from mcp_saga.schemas.records import Compensation, CompensationJob, comp_encoder, idempotency_key
+from mcp_saga.schemas.records import Compensation, CompensationJob, comp_decoder, comp_encoder, idempotency_key
 from mcp_saga.workers import job as job_module
 from mcp_saga.workers.process import SagaWorker
 from processes import REPO
@@ -123,14 +123,42 @@ def test_a_compensation_job_is_four_round_trips_and_rq_reads_what_it_always_read
     assert listed.successful_job_count == 2 and listed.total_working_time > 0
 
 
-def test_a_slip_takes_one_round_trip_between_two_steps(r: redis.Redis, worker: SagaWorker, trips: list[int]) -> None:
+def test_a_slip_awaits_no_round_trip_between_two_steps(r: redis.Redis, worker: SagaWorker, trips: list[int]) -> None:
     job = plan(r, 2, then=("t0", "t1", "t2"))
     trips[0] = 0
     run_one(worker, job)
-    # 4 as above (the slip's leases parked in the first), one per further step: its reads and the report before it.
-    assert trips[0] == 4 + 3
+    # 4 as above: the slip's leases parked and its records read in the first, its reports in the last.
+    assert trips[0] == 4
     assert reports(r, "book-2") == [("compensation-succeeded", s) for s in ("s", "t0", "t1", "t2")]
     assert not r.keys(K.lease("book-2", "*"))
+
+
+def test_a_slip_step_past_the_first_reads_window_reads_again_and_sees_a_take_back(
+    r: redis.Redis, worker: SagaWorker, trips: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads older than a third of a lease are not trusted: the step reads its record itself, the
+    reports before it riding in front, and a step the coordinator took back meanwhile is not run."""
+    job = plan(r, 5, then=("t0", "t1"))
+    taken_back = msgspec.structs.replace(comp_decoder.decode(r.hget(K.comp("book-5"), "t1")), status="pending")
+    member = job_module._First.member
+
+    def stale(self: Any, n: int, lease: Any) -> Any:
+        found = member(self, n, lease)
+        if found is not None:
+            found.at -= 3600
+        if n == 1:  # after t0's call, before t1's reads: the coordinator takes t1 back
+            r.hset(K.comp("book-5"), "t1", comp_encoder.encode(taken_back))
+        return found
+
+    monkeypatch.setattr(job_module._First, "member", stale)
+    trips[0] = 0
+    rq_job = run_one(worker, job)
+    # 4, one per slip step that read for itself (t0, t1; each carrying the report before it), and
+    # the take-back's own write (this process's too).
+    assert trips[0] == 4 + 2 + 1
+    assert reports(r, "book-5") == [("compensation-succeeded", "s"), ("compensation-succeeded", "t0")]
+    assert "stopped at t1" in Job.fetch(rq_job.id, connection=r).return_value()
+    assert not r.keys(K.lease("book-5", "*"))
 
 
 def test_a_job_cut_short_after_its_start_is_in_the_started_registry_and_fails_there(

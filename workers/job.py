@@ -184,6 +184,15 @@ class _First:
     at: float
     # The slip's leases and whether each was parked (None: the job parks them itself).
     slip: tuple[list[Lease], list[bool]] | None = None
+    # Each slip step's record (and recorded step), read in the same trip: its attempt goes without
+    # a round trip of its own while they are fresh, and the step before's report rides later.
+    slip_reads: list[list[Any]] | None = None
+
+    def member(self, n: int, lease: Lease) -> _First | None:
+        """What the slip's step `n` reads as its own first reads: its parked lease, its record."""
+        if self.slip_reads is None or n >= len(self.slip_reads):
+            return None
+        return _First(lease.token, [True, None, *self.slip_reads[n]], self.at)
 
 
 def first_reads(rq_job: Job, pipe: Pipeline) -> Callable[[list[Any]], None] | None:
@@ -203,12 +212,22 @@ def first_reads(rq_job: Job, pipe: Pipeline) -> Callable[[list[Any]], None] | No
     reads = len(pipe) - before
     slip = [_lease(ctx, member) for member in job.then]
     queue_park(pipe, slip, ctx.config.worker.lease)
+    parks = 2 * len(slip)
+    sizes = []
+    for member in job.then:
+        before = len(pipe)
+        _records(_keys(ctx, member), member, pipe)
+        sizes.append(len(pipe) - before)
 
     def take(replies: list[Any]) -> None:
         fine = not any(isinstance(reply, Exception) for reply in replies)
         first = _First(lease.token, replies[:reads] if fine else None, time.monotonic())
         if fine and slip:
-            first.slip = (slip, parked(replies[reads:]))
+            first.slip = (slip, parked(replies[reads : reads + parks]))
+            at, first.slip_reads = reads + parks, []
+            for size in sizes:
+                first.slip_reads.append(replies[at : at + size])
+                at += size
         rq_job._saga_first = first  # type: ignore[attr-defined]
 
     return take
@@ -217,6 +236,10 @@ def first_reads(rq_job: Job, pipe: Pipeline) -> Callable[[list[Any]], None] | No
 def _reads(keys: Keys, job: CompensationJob, lease: Lease, pipe: Pipeline) -> None:
     """The lease and the record in one round trip: taking a lease we then drop costs nothing."""
     lease.take(pipe)
+    _records(keys, job, pipe)
+
+
+def _records(keys: Keys, job: CompensationJob, pipe: Pipeline) -> None:
     pipe.hget(keys.comp(job.workflow), job.step)
     if job.seq >= 0:  # the recorded step, which the trust checks compare the live declaration with
         pipe.lindex(keys.steps(job.workflow), job.seq)
@@ -288,7 +311,7 @@ def _compensate(ctx: WorkerContext, job: CompensationJob, rq_job: Job | None, pa
             raise
     if not slip:
         return outcome
-    return outcome + _run_slip(ctx, slip, outcome == "succeeded", outbox)
+    return outcome + _run_slip(ctx, slip, outcome == "succeeded", outbox, first)
 
 
 def _park(
@@ -311,24 +334,36 @@ def _park(
     return list(zip(then[:cut], leases[:cut], strict=True))
 
 
-def _run_slip(ctx: WorkerContext, slip: list[tuple[CompensationJob, Lease]], go_on: bool, outbox: Outbox) -> str:
+def _run_slip(
+    ctx: WorkerContext,
+    slip: list[tuple[CompensationJob, Lease]],
+    go_on: bool,
+    outbox: Outbox,
+    first: _First | None = None,
+) -> str:
     """Run the slip's steps in order while each succeeds; report each as its own attempt.
 
     Stops at the first that does not succeed (a failure, a refusal, awaiting approval) or whose
     record is no longer queued under this slip (the coordinator took it back); the steps after
-    it are released, and the coordinator, the only writer, decides them anew. Between two steps
-    the worker makes one round trip: step k's report and release, then step k+1's lease and
-    record, in this order in one pipeline (Redis runs them in order, so k+1 is read after k is
-    reported, as when they were two trips).
+    it are released, and the coordinator, the only writer, decides them anew.
+
+    Between two steps no round trip is awaited while the reads made with the job's first trip
+    hold (a third of a lease, as for the job's own step: the slip's leases, parked then, are
+    surely still ours): step k's report and release wait in the outbox for the job's end-of-job
+    MULTI, or for the first step past that window, whose trip carries them in front of its own
+    reads (Redis runs them in order, so k+1 is read after k is reported). So a report is late by
+    at most that window and a call, never lost before RQ sees the job's end, and the coordinator
+    folds the reports after the unwind's calls instead of beside them.
     """
     done, left = 0, list(slip)
     try:
-        for member, lease in slip:
+        for n, (member, lease) in enumerate(slip):
             outcome = ""
             if go_on:
                 with ctx.pool.slot(member.server) as free:
                     if free:
-                        outcome = _Attempt(ctx, member, None, token=lease.token, outbox=outbox).run()
+                        reads = first.member(n, lease) if first is not None else None
+                        outcome = _Attempt(ctx, member, None, token=lease.token, outbox=outbox, first=reads).run()
                         left.pop(0)  # the attempt released its lease (only an error skips that)
             if outcome != "succeeded":
                 stopped = f"; stopped at {member.step}: {outcome or 'not run'}"
