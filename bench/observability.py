@@ -145,7 +145,7 @@ OFF_METRICS = SimpleNamespace(
 )
 OFF_TRACING = SimpleNamespace(
     event_traces=lambda *_: {},
-    transitions=_noop,
+    begin_transitions=lambda *_: {},
     attempt=lambda *_: nullcontext(),
     continued=lambda *_: nullcontext(),
     sdk_spans=lambda: False,

@@ -2,7 +2,8 @@
 
 One batch flows through in a fixed order so that a crash at any point loses nothing and doubles
 nothing: decode -> load views -> fold events (pure) -> commit (CAS Lua per workflow) -> enqueue
-jobs (unique ids) -> follow-ups, dead letters and XACK in one pipeline. A batch that is
+jobs (unique ids; on one Redis in the commit's round trip, see Store.commit) -> follow-ups, dead
+letters and XACK in one pipeline. A batch that is
 redelivered after a crash folds to no change, and its workflows' queued jobs are re-ensured.
 """
 
@@ -14,6 +15,7 @@ import socket
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +96,8 @@ class Coordinator:
         self.keys = config.keys().on(partition)
         self.machine = Machine(config, prefix=config.prefix)
         self.queue = queue_for(redis if queue is None else queue, self.keys.queue)
-        self.store = Store(redis, self.keys, self.settings, durability=Durability.of(config.redis), queue=self.queue)
+        durability = Durability.of(config.redis)
+        self.store = Store(redis, self.keys, self.settings, durability=durability, queue=self.queue, jobs=config.worker)
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.stopping = False
         self._next_claim = 0.0
@@ -383,14 +386,14 @@ class Coordinator:
         result = BatchResult(events=len(entries))
         traces, announced = batch.traces, batch.announced
         fresh = self._take_recorded(batch, outcomes)
-        committed, contended, conflicts = self._fold(groups, now, dead)
-        tracing.transitions(committed, traces, now)
+        carried: dict[str, bool] = {}
+        committed, contended, conflicts = self._fold(groups, now, dead, carried, traces)
         for view in committed:
             self._remember_steps(view.workflow, view.state.steps if view.state.status == "running" else None)
         fail_point("coordinator.after-commit")
         if redelivered:  # an earlier run may have committed without its WAIT succeeding
             self.store.confirm()
-        result.jobs = self._dispatch(committed, ensure=redelivered)
+        result.jobs = self._dispatch(committed, ensure=redelivered, carried=carried)
         # The indexes say what the committed states say: re-derived for every workflow this batch
         # touched (so a redelivery repairs what a crash after the commit left undone), and for the
         # fast path's workflows when they were created or the entries are redelivered.
@@ -458,11 +461,20 @@ class Coordinator:
             f"({keys.on(part).events}): partition = CLUSTER KEYSLOT <workflow> mod {keys.partitions}"
         )
 
-    def _fold(self, groups: Groups, now: float, dead: list[DeadEntry]) -> tuple[list[WorkflowView], Groups, int]:
+    def _fold(
+        self,
+        groups: Groups,
+        now: float,
+        dead: list[DeadEntry],
+        carried: dict[str, bool],
+        traces: Mapping[str, dict[str, str]],
+    ) -> tuple[list[WorkflowView], Groups, int]:
         """Load, fold and commit each workflow, again for those another coordinator changed meanwhile.
 
         Returns the committed views, the groups still contended after the retries (left unacknowledged:
-        they come back) and the number of conflicts met. Rejected events are added to `dead`.
+        they come back) and the number of conflicts met. Rejected events are added to `dead`, and
+        the jobs the commits carried to the queue to `carried` (Store.commit). Each committed
+        transition of a traced workflow gets its span, begun before the commit (its jobs carry it).
         """
         committed: list[WorkflowView] = []
         pending, conflicts = dict(groups), 0
@@ -477,9 +489,12 @@ class Coordinator:
                         self.machine.apply(views[workflow], event, now)
                     except Rejected as exc:
                         rejected[workflow].append((event.id.encode(), fields, str(exc)))
+            spans = tracing.begin_transitions([v for v in views.values() if v.state.version], traces, now)
             dirty = [v for v in views.values() if v.dirty]
             lost = {
-                v.workflow for v, ok in zip(dirty, self.store.commit(dirty) if dirty else [], strict=True) if not ok
+                v.workflow
+                for v, ok in zip(dirty, self.store.commit(dirty, carried) if dirty else [], strict=True)
+                if not ok
             }
             conflicts += len(lost)
             for workflow, view in views.items():
@@ -488,6 +503,8 @@ class Coordinator:
                 dead.extend(rejected.get(workflow, ()))
                 if view.state.version:  # else every event was rejected and the workflow does not exist
                     committed.append(view)
+                    if workflow in spans:
+                        spans[workflow].end()
             pending = {w: pending[w] for w in lost}
         if pending:
             log.error("gave up on contended workflows this batch", workflows=sorted(pending))
@@ -561,7 +578,8 @@ class Coordinator:
             views.update(self.store.load(again))
         return views
 
-    def _dispatch(self, views: list[WorkflowView], *, ensure: bool) -> int:
+    def _dispatch(self, views: list[WorkflowView], *, ensure: bool, carried: dict[str, bool]) -> int:
+        """Enqueue the views' jobs (those their commit carried are queued already: `carried`), and log them."""
         jobs = [job for view in views for job in view.jobs]
         if ensure:  # a redelivered batch: its first run may have committed but not enqueued
             known = {(j.workflow, j.step, j.dispatch) for j in jobs}
@@ -569,10 +587,13 @@ class Coordinator:
                 for job in self.machine.jobs_in_flight(view):
                     if (job.workflow, job.step, job.dispatch) not in known:
                         jobs.append(job)
-        queued = 0
-        for job, fresh in zip(jobs, enqueue_all(self.queue, jobs, self.config.worker), strict=True):
-            if fresh:
-                queued += 1
+        rest = [job for job in jobs if job.job_id not in carried]
+        queued = dict(carried)
+        queued.update(zip((job.job_id for job in rest), enqueue_all(self.queue, rest, self.config.worker), strict=True))
+        count = 0
+        for job in jobs:
+            if queued[job.job_id]:
+                count += 1
                 for one in (job, *job.then):  # a routing slip's steps are dispatches too
                     metrics.dispatched(one)
                 log.info(
@@ -584,7 +605,7 @@ class Coordinator:
                     dispatch=job.dispatch,
                     slip=",".join(m.step for m in job.then) or None,
                 )
-        return queued
+        return count
 
     # Watchdog and housekeeping ------------------------------------------------------------
 
@@ -611,11 +632,12 @@ class Coordinator:
             if view.workflow in held:
                 log.info("barrier held: an entry of the workflow is still pending", workflow=view.workflow)
         dirty = [v for v in live if v.dirty]
-        oks = self.store.commit(dirty) if dirty else []
+        carried: dict[str, bool] = {}
+        oks = self.store.commit(dirty, carried) if dirty else []
         lost = {v.workflow for v, ok in zip(dirty, oks, strict=True) if not ok}
         committed = [v for v in live if v.workflow not in lost]
         metrics.transitions(committed)
-        self._dispatch(committed, ensure=False)
+        self._dispatch(committed, ensure=False, carried=carried)
         items = [index_item(v, self.machine.next_deadline(v), True) for v in committed]
         self.store.follow_up(items + gone, committed, [])
         self.store.settle(committed, [])

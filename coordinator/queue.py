@@ -75,21 +75,20 @@ def enqueue_all(queue: Queue, jobs: list[CompensationJob], settings: WorkerSetti
     due: list[tuple[int, tuple[Any, ...]]] = []
     hashes: JobHash | None = None
     for n, job in enumerate(jobs):
-        # A backoff to wait out first: RQ's scheduler releases it. RQ keeps whole seconds (it drops
-        # the fraction, which would cut the wait short): so the next whole second.
-        if (at := math.ceil(job.not_before)) > time.time():
+        if not is_due(job):  # a backoff to wait out first: RQ's scheduler releases it, on a whole second
             try:
                 queue.enqueue_at(
-                    datetime.fromtimestamp(at, UTC), JOB_FUNCTION, job_payload(job), **_options(job, settings)
+                    datetime.fromtimestamp(math.ceil(job.not_before), UTC),
+                    JOB_FUNCTION,
+                    job_payload(job),
+                    **_options(job, settings),
                 )
                 queued[n] = True
             except DuplicateJobError:
                 queued[n] = False
             continue
         hashes = hashes or JobHash.of(queue, settings.job_timeout)
-        retries, intervals = _retries(job, settings)
-        key, fields = hashes.fields(job, retries, intervals)
-        due.append((n, (key, queue.key, job.job_id, "R", -1, *fields)))
+        due.append((n, unique_call(queue, job, settings, hashes)))
     if due:
         calls = dict(due)
         load = False
@@ -110,6 +109,25 @@ def enqueue_all(queue: Queue, jobs: list[CompensationJob], settings: WorkerSetti
                 del calls[n]
             load = True
     return [queued[n] for n in range(len(jobs))]
+
+
+def is_due(job: CompensationJob) -> bool:
+    """Whether the job goes on the queue now, not through RQ's scheduler (a backoff to wait out first).
+
+    RQ keeps whole seconds (it drops the fraction, which would cut the wait short): a job due within
+    the current second is due now."""
+    return math.ceil(job.not_before) <= time.time()
+
+
+def unique_call(
+    queue: Queue, job: CompensationJob, settings: WorkerSettings, hashes: JobHash | None = None
+) -> tuple[Any, ...]:
+    """The keys and arguments of RQ's unique-enqueue script for a due job: job key, queue key, id,
+    push direction, TTL, then the hash's fields (coordinator/lua/enqueue_planned.lua takes them too)."""
+    hashes = hashes or JobHash.of(queue, settings.job_timeout)
+    retries, intervals = _retries(job, settings)
+    key, fields = hashes.fields(job, retries, intervals)
+    return (key, queue.key, job.job_id, "R", -1, *fields)
 
 
 def _retries(job: CompensationJob, settings: WorkerSettings) -> tuple[int, list[int]]:

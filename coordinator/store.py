@@ -16,13 +16,14 @@ from typing import Any, NamedTuple
 
 import msgspec
 from mcp_saga.coordinator.machine import WorkflowView
+from mcp_saga.coordinator.queue import is_due, unique_call
 from mcp_saga.runtime.connect import Lua, is_cluster
 from mcp_saga.runtime.durability import Durability, Writes
 from mcp_saga.runtime.pipelined import pack
 from mcp_saga.runtime.reader import decode_records
-from mcp_saga.schemas.config import CoordinatorSettings
+from mcp_saga.schemas.config import CoordinatorSettings, WorkerSettings
 from mcp_saga.schemas.keys import STATUSES, Keys, key_slot
-from mcp_saga.schemas.records import Compensation, comp_decoder, comp_encoder, state_from_hash
+from mcp_saga.schemas.records import Compensation, CompensationJob, comp_decoder, comp_encoder, state_from_hash
 from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
 from redis import Redis
 from redis.connection import Connection
@@ -136,12 +137,15 @@ class Store:
         *,
         durability: Durability | None = None,
         queue: Queue | None = None,
+        jobs: WorkerSettings | None = None,
     ) -> None:
+        """`jobs`: the settings the jobs are enqueued with, to let a commit carry its due jobs (`commit`)."""
         self.redis = redis
         self.keys = keys
         self.settings = settings
         # RQ's queue, whose Redis holds the jobs' records (a standalone one beside a cluster).
         self.queue = queue if queue is not None else Queue(keys.queue, connection=redis)
+        self.jobs = jobs
         # With it, every commit pipeline ends with WAIT, and a commit too few replicas confirmed
         # raises NotReplicated before anything is dispatched or acknowledged.
         self.durability = durability
@@ -150,6 +154,10 @@ class Store:
         self._record_steps = Lua(redis, load_script("record_steps.lua"))
         self._index = Lua(redis, load_script("index.lua"))
         self._forget = Lua(redis, load_script("forget.lua"))
+        self._enqueue_planned = Lua(redis, load_script("enqueue_planned.lua"))
+        # A commit carries its due jobs where one pipeline reaches both (one Redis holds the records
+        # and the queue) and nothing must be confirmed between them (no WAIT for replicas first).
+        self.carries = jobs is not None and not self.cluster and durability is None and self.queue.connection is redis
         self._packed_keys: dict[str, bytes] = {}
         self._loaded = False  # whether this Store put its scripts in the cache (commit's digest needs it)
 
@@ -187,18 +195,30 @@ class Store:
             "needs-attention": s.retention_attention,
         }.get(status, s.idle_ttl)
 
-    def commit(self, views: list[WorkflowView]) -> list[bool]:
+    def commit(self, views: list[WorkflowView], carried: dict[str, bool] | None = None) -> list[bool]:
         """Apply each dirty view atomically; False where another coordinator changed it meanwhile.
 
         By digest, the script loaded before the first commit: a Redis that lost it since (restarted,
         failed over, flushed) raises NoScriptError here, and the coordinator loads the scripts again
         and reads its pending entries again, as after a crash between this write and the next
         (Coordinator.run): what did commit folds to no change, its jobs re-ensured.
+
+        `carried`: where the commit may carry the views' due jobs (`carries`), each behind its
+        view's script in the same round trip, queued only if the records it dispatches are as this
+        commit writes them (enqueue_planned.lua); job id -> queued (False: it existed already), for
+        the committed views. The others' jobs queued nothing and are planned again.
         """
         if not self._loaded:
             self.load_scripts()
         writes = Writes(self.redis, self.durability)
-        for view in views:
+        carry = carried is not None and self.carries
+        # What each reply answers: (-1, None) the queue's registration, (n, None) view n's commit,
+        # (n, job) a job carried behind it.
+        sent: list[tuple[int, CompensationJob | None]] = []
+        if carry and any(view.jobs for view in views):
+            writes.pipe(self.queue.key).sadd(self.queue.redis_queues_keys, self.queue.key)
+            sent.append((-1, None))
+        for n, view in enumerate(views):
             state = view.state
             args: list[str | bytes | int] = [
                 view.loaded_version,
@@ -212,19 +232,47 @@ class Store:
             ]
             for k, v in state_pairs.items():
                 args += (k, v)
-            for step, comp in view.changed.items():
-                args += (step, comp_encoder.encode(comp))
+            records = {step: comp_encoder.encode(comp) for step, comp in view.changed.items()}
+            for step, raw in records.items():
+                args += (step, raw)
             args += view.new_steps
             args += flat_entries(view.log)
             for position, raw in view.set_steps.items():
                 args += (position, raw)
             keys = self.keys.workflow_keys(view.workflow)
             self._apply.queue(writes.pipe(keys[0]), keys, args)
-        oks = [bool(ok) for ok in writes.execute("coordinator commit")]
+            sent.append((n, None))
+            if carry:
+                sent += ((n, job) for job in self._carry(writes, view, records))
+        oks: list[bool] = []
+        jobs: list[tuple[int, CompensationJob, Any]] = []
+        for (n, job), reply in zip(sent, writes.execute("coordinator commit"), strict=True):
+            if job is not None:
+                jobs.append((n, job, reply))
+            elif n >= 0:
+                oks.append(bool(reply))
+        for n, job, reply in jobs:  # -1 behind a commit that applied: not its records (then enqueued as usual)
+            if oks[n] and reply != -1 and carried is not None:
+                carried[job.job_id] = reply == 1
         for view, ok in zip(views, oks, strict=True):
             if ok and view.outcomes:
                 view.outbox.append(self.outbox_item(view))
         return oks
+
+    def _carry(self, writes: Writes, view: WorkflowView, records: dict[str, bytes]) -> list[CompensationJob]:
+        """Queue the view's due jobs behind its script; those whose records it does not write go later."""
+        assert self.jobs is not None
+        carried = []
+        comp = self.keys.comp(view.workflow)
+        for job in view.jobs:
+            members = (job, *job.then)
+            if not is_due(job) or any(m.step not in records for m in members):
+                continue
+            job_key, queue_key, *rest = unique_call(self.queue, job, self.jobs)
+            planned = [len(members), *(part for m in members for part in (m.step, records[m.step])), *rest]
+            self._enqueue_planned.queue(writes.pipe(comp), [comp, job_key, queue_key], planned)
+            carried.append(job)
+        return carried
 
     def confirm(self) -> None:
         """WAIT for what was written before, for a redelivered batch whose commit came earlier."""
@@ -431,7 +479,7 @@ class Store:
 
     def load_scripts(self) -> None:
         """Load the scripts sent by digest into a Redis that lost them (a restart, failover, flush)."""
-        for script in (self._apply, self._record_steps, self._index):
+        for script in (self._apply, self._record_steps, self._index, self._enqueue_planned):
             script.load()
         self._loaded = True
 

@@ -364,14 +364,23 @@ def event_traces(groups: Mapping[str, Iterable[tuple[Any, Any]]]) -> BatchTraces
 
 
 def transitions(views: Iterable[Any], traces: Mapping[str, dict[str, str]], started: float) -> None:
-    """A span per committed transition of a traced workflow; its jobs carry that span's context.
+    """A span per committed transition of a traced workflow; its jobs carry that span's context."""
+    for span in begin_transitions(views, traces, started).values():
+        span.end()
 
-    Untraced here, the jobs carry the event's context unchanged. Recording a step of a running
-    workflow is not a transition worth a span (the agent's call span already shows it) and
+
+def begin_transitions(views: Iterable[Any], traces: Mapping[str, dict[str, str]], started: float) -> dict[str, Any]:
+    """A span per transition of a traced workflow, before its commit; its jobs carry that span's context.
+
+    Begun before the commit because the commit may carry the jobs to the queue (Store.commit); the
+    caller ends the spans of the workflows whose commit applied, and drops the others', which then
+    never export. Untraced here, the jobs carry the event's context unchanged. Recording a step of a
+    running workflow is not a transition worth a span (the agent's call span already shows it) and
     never reaches here: those steps take the coordinator's fast path.
     """
+    spans: dict[str, Any] = {}
     if not traces and not getattr(traces, "steps", None):
-        return
+        return spans
     on = active()
     for view in views:
         carrier = traces.get(view.workflow)
@@ -395,9 +404,10 @@ def transitions(views: Iterable[Any], traces: Mapping[str, dict[str, str]], star
             else:
                 span = start_span("saga transition", carrier, start=started, **attributes)
                 carrier = carrier_of(span)
-            span.end()
+            spans[view.workflow] = span
         if view.jobs:
             view.jobs[:] = [_with_trace(job, carrier) for job in view.jobs]
+    return spans
 
 
 def _with_trace(job: CompensationJob, carrier: dict[str, str]) -> CompensationJob:

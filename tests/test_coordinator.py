@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import signal
+import time
 
 import msgspec
 import pytest
 import redis
+from mcp_saga.coordinator import consumer
 from mcp_saga.coordinator.consumer import Coordinator
-from mcp_saga.schemas.config import Config, CoordinatorSettings, parse_config, write_config
+from mcp_saga.coordinator.queue import enqueue_all
+from mcp_saga.schemas.config import Config, CoordinatorSettings, RedisSettings, parse_config, write_config
 from mcp_saga.schemas.events import (
     CompensationSucceeded,
     StepCompleted,
     WorkflowCompleted,
     WorkflowFailed,
+    decode_entry,
     entry_fields,
 )
 from mcp_saga.schemas.keys import Keys
@@ -183,13 +187,16 @@ def _lag(r: redis.Redis) -> int:
     return group.get("lag") or 0
 
 
+@pytest.mark.parametrize("carried", [True, False], ids=["job-carried-by-the-commit", "queue-on-its-own-connection"])
 def test_sigkill_between_commit_and_enqueue_loses_nothing_and_doubles_nothing(
-    r: redis.Redis, redis_url: str, tmp_path
+    r: redis.Redis, redis_url: str, tmp_path, carried: bool
 ) -> None:
-    """A coordinator dies right after its state commit, before the job is queued and the event acked."""
-    config = write_config(
-        Config(coordinator=CoordinatorSettings(claim_idle_ms=300, block_ms=50)), tmp_path / "saga.toml"
-    )
+    """A coordinator dies right after its state commit, before the event is acked: with the job
+    carried by the commit's round trip (one Redis), or, with the queue on a connection of its own
+    (`queue_url`, as beside a cluster), before the job is queued at all."""
+    settings = CoordinatorSettings(claim_idle_ms=300, block_ms=50)
+    queue = RedisSettings() if carried else RedisSettings(queue_url=redis_url)
+    config = write_config(Config(redis=queue, coordinator=settings), tmp_path / "saga.toml")
     publish(r, "crash", step("a"), step("b"), WorkflowFailed())
     doomed = saga_process(
         "coordinator", "--name", "doomed", redis_url=redis_url, config=config,
@@ -197,7 +204,8 @@ def test_sigkill_between_commit_and_enqueue_loses_nothing_and_doubles_nothing(
     )  # fmt: skip
     assert doomed.wait(30) != 0
     assert state_from_hash(r.hgetall(K.state("crash"))).status == "compensating"  # committed...
-    assert queued_jobs(r) == []  # ...but never enqueued, never acked
+    # ...queued with it, or never enqueued; never acked either way
+    assert [(j.step, j.dispatch) for j in queued_jobs(r)] == ([("b", 1)] if carried else [])
     assert r.xpending(K.events, K.group)["pending"] > 0
 
     survivor = saga_process(
@@ -353,3 +361,63 @@ def test_a_redis_that_lost_its_scripts_still_gets_the_commit_and_its_job(
         assert "lost its scripts" in (tmp_path / "c.log").read_text()
     finally:
         assert stop(proc, signal.SIGTERM) == 0
+
+
+# A failure's jobs ride with its commit (issue 15: one round trip fewer from a failure to its worker).
+
+
+def test_a_failures_job_is_queued_by_the_commits_round_trip_as_rq_would_queue_it(
+    r: redis.Redis, coord: Coordinator
+) -> None:
+    publish(r, "ride-1", step("a"), step("b"))
+    drain(coord)
+    sent: list[list[object]] = []
+    original = consumer.enqueue_all
+    consumer.enqueue_all = lambda queue, jobs, settings: sent.append(jobs) or original(queue, jobs, settings)  # type: ignore[assignment]
+    try:
+        publish(r, "ride-1", WorkflowFailed(reason="boom"))
+        drain(coord)
+    finally:
+        consumer.enqueue_all = original  # type: ignore[assignment]
+    assert all(jobs == [] for jobs in sent)  # nothing left for a round trip of its own
+    (job,) = queued_jobs(r)
+    assert (job.step, [m.step for m in job.then]) == ("b", ["a"])
+
+    # The hash is RQ's own enqueue's, field for field (the timestamps and the backoff's jitter aside),
+    # and RQ lists the job.
+    def fields() -> dict[bytes, bytes]:
+        found = r.hgetall(f"rq:job:{job.job_id}")
+        assert len(msgspec.json.decode(found.pop(b"retry_intervals"))) == coord.config.worker.attempts - 1
+        return {k: v for k, v in found.items() if not k.endswith(b"_at")}
+
+    carried = fields()
+    r.delete(f"rq:job:{job.job_id}", f"rq:queue:{K.queue}")
+    assert enqueue_all(Queue(K.queue, connection=r), [job], coord.config.worker) == [True]
+    assert carried == fields()
+    assert K.queue in [q.name for q in Queue.all(connection=r)]
+
+
+def test_a_commit_another_coordinator_beat_carries_no_job(r: redis.Redis, coord: Coordinator) -> None:
+    """The job rides behind the commit in the same pipeline, so a refused commit must not let it through."""
+    publish(r, "ride-2", step("a"))
+    drain(coord)
+    views = coord.store.load({"ride-2": (True, ())})
+    fields = entry_fields("ride-2", WorkflowFailed(reason="boom"))
+    failed = decode_entry("1-1", {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()})
+    coord.machine.apply(views["ride-2"], failed, time.time())
+    assert views["ride-2"].jobs
+    r.hincrby(K.state("ride-2"), "version", 1)  # another coordinator's commit in between
+    carried: dict[str, bool] = {}
+    assert coord.store.commit([views["ride-2"]], carried) == [False]
+    assert carried == {} and queued_jobs(r) == [] and not r.keys("rq:job:*")
+
+
+def test_the_queue_on_a_connection_of_its_own_takes_the_jobs_after_the_commit(r: redis.Redis) -> None:
+    """With `queue_url` (beside a cluster, say) one pipeline reaches only one of the two: no carrying."""
+    config = parse_config({"coordinator": {"block_ms": 10}})
+    coord = Coordinator(r, config, name="apart", queue=redis.Redis(connection_pool=r.connection_pool))
+    coord.ensure_group()
+    assert not coord.store.carries
+    publish(r, "ride-3", step("a"), WorkflowFailed(reason="boom"))
+    drain(coord)
+    assert [j.step for j in queued_jobs(r)] == ["a"]
