@@ -96,8 +96,14 @@ class Coordinator:
         self.keys = config.keys().on(partition)
         self.machine = Machine(config, prefix=config.prefix)
         self.queue = queue_for(redis if queue is None else queue, self.keys.queue)
-        durability = Durability.of(config.redis)
-        self.store = Store(redis, self.keys, self.settings, durability=durability, queue=self.queue, jobs=config.worker)
+        self.store = Store(
+            redis,
+            self.keys,
+            self.settings,
+            durability=Durability.of(config.redis),
+            queue=self.queue,
+            worker=config.worker,
+        )
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.stopping = False
         self._next_claim = 0.0

@@ -137,15 +137,15 @@ class Store:
         *,
         durability: Durability | None = None,
         queue: Queue | None = None,
-        jobs: WorkerSettings | None = None,
+        worker: WorkerSettings | None = None,
     ) -> None:
-        """`jobs`: the settings the jobs are enqueued with, to let a commit carry its due jobs (`commit`)."""
+        """`worker`: the settings the jobs are enqueued with, to let a commit carry its due jobs (`commit`)."""
         self.redis = redis
         self.keys = keys
         self.settings = settings
         # RQ's queue, whose Redis holds the jobs' records (a standalone one beside a cluster).
         self.queue = queue if queue is not None else Queue(keys.queue, connection=redis)
-        self.jobs = jobs
+        self.worker = worker
         # With it, every commit pipeline ends with WAIT, and a commit too few replicas confirmed
         # raises NotReplicated before anything is dispatched or acknowledged.
         self.durability = durability
@@ -157,7 +157,7 @@ class Store:
         self._enqueue_planned = Lua(redis, load_script("enqueue_planned.lua"))
         # A commit carries its due jobs where one pipeline reaches both (one Redis holds the records
         # and the queue) and nothing must be confirmed between them (no WAIT for replicas first).
-        self.carries = jobs is not None and not self.cluster and durability is None and self.queue.connection is redis
+        self.carries = worker is not None and not self.cluster and durability is None and self.queue.connection is redis
         self._packed_keys: dict[str, bytes] = {}
         self._loaded = False  # whether this Store put its scripts in the cache (commit's digest needs it)
 
@@ -252,8 +252,8 @@ class Store:
             elif n >= 0:
                 oks.append(bool(reply))
         for n, job, reply in jobs:  # -1 behind a commit that applied: not its records (then enqueued as usual)
-            if oks[n] and reply != -1 and carried is not None:
-                carried[job.job_id] = reply == 1
+            if oks[n] and reply != -1:
+                carried[job.job_id] = reply == 1  # type: ignore[index]
         for view, ok in zip(views, oks, strict=True):
             if ok and view.outcomes:
                 view.outbox.append(self.outbox_item(view))
@@ -261,14 +261,14 @@ class Store:
 
     def _carry(self, writes: Writes, view: WorkflowView, records: dict[str, bytes]) -> list[CompensationJob]:
         """Queue the view's due jobs behind its script; those whose records it does not write go later."""
-        assert self.jobs is not None
+        assert self.worker is not None
         carried = []
         comp = self.keys.comp(view.workflow)
         for job in view.jobs:
             members = (job, *job.then)
             if not is_due(job) or any(m.step not in records for m in members):
                 continue
-            job_key, queue_key, *rest = unique_call(self.queue, job, self.jobs)
+            job_key, queue_key, *rest = unique_call(self.queue, job, self.worker)
             planned = [len(members), *(part for m in members for part in (m.step, records[m.step])), *rest]
             self._enqueue_planned.queue(writes.pipe(comp), [comp, job_key, queue_key], planned)
             carried.append(job)

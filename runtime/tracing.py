@@ -363,12 +363,6 @@ def event_traces(groups: Mapping[str, Iterable[tuple[Any, Any]]]) -> BatchTraces
     return found
 
 
-def transitions(views: Iterable[Any], traces: Mapping[str, dict[str, str]], started: float) -> None:
-    """A span per committed transition of a traced workflow; its jobs carry that span's context."""
-    for span in begin_transitions(views, traces, started).values():
-        span.end()
-
-
 def begin_transitions(views: Iterable[Any], traces: Mapping[str, dict[str, str]], started: float) -> dict[str, Any]:
     """A span per transition of a traced workflow, before its commit; its jobs carry that span's context.
 

@@ -107,7 +107,7 @@ def test_jobs_dispatched_by_a_batch_of_steps_only_carry_the_steps_trace() -> Non
         return SimpleNamespace(workflow=workflow, jobs=[job], loaded_status="failed", state=SimpleNamespace(status="x"))
 
     views = [view("wf"), view("plain")]
-    tracing.transitions(views, traces, 0.0)
+    assert tracing.begin_transitions(views, traces, 0.0) == {}  # untraced here: no span to end
     assert views[0].jobs[0].trace == {"traceparent": parent}  # untraced here: handed on as it came
     assert views[1].jobs[0].trace is None
     assert tracing.trace_id("wf") == "ef" * 16
@@ -182,7 +182,8 @@ def transition():
     view = SimpleNamespace(workflow="wf", jobs=[job], loaded_status="running", state=SimpleNamespace(status="failed"))
     traces = tracing.BatchTraces()
     traces["wf"] = parent
-    tracing.transitions([view], traces, 1_700_000_000.25)
+    for span in tracing.begin_transitions([view], traces, 1_700_000_000.25).values():
+        span.end()
     return view.jobs[0].trace
 
 sdk_spans = []  # the spans the SDK's tracer was asked for

@@ -133,11 +133,13 @@ def test_a_slip_awaits_no_round_trip_between_two_steps(r: redis.Redis, worker: S
     assert not r.keys(K.lease("book-2", "*"))
 
 
+@pytest.mark.parametrize("age", [3600, job_module.SLIP_READS_HOLD + 0.05], ids=["hour", "just-past-the-hold"])
 def test_a_slip_step_past_the_first_reads_window_reads_again_and_sees_a_take_back(
-    r: redis.Redis, worker: SagaWorker, trips: list[int], monkeypatch: pytest.MonkeyPatch
+    r: redis.Redis, worker: SagaWorker, trips: list[int], monkeypatch: pytest.MonkeyPatch, age: float
 ) -> None:
-    """Reads older than a third of a lease are not trusted: the step reads its record itself, the
-    reports before it riding in front, and a step the coordinator took back meanwhile is not run."""
+    """Reads older than SLIP_READS_HOLD (well inside a third of the lease) are not trusted: the step
+    reads its record itself, the reports before it riding in front, and a step the coordinator took
+    back meanwhile (a late step that must go first, say) is not run."""
     job = plan(r, 5, then=("t0", "t1"))
     taken_back = msgspec.structs.replace(comp_decoder.decode(r.hget(K.comp("book-5"), "t1")), status="pending")
     member = job_module._First.member
@@ -145,7 +147,7 @@ def test_a_slip_step_past_the_first_reads_window_reads_again_and_sees_a_take_bac
     def stale(self: Any, n: int, lease: Any) -> Any:
         found = member(self, n, lease)
         if found is not None:
-            found.at -= 3600
+            found.at -= age
         if n == 1:  # after t0's call, before t1's reads: the coordinator takes t1 back
             r.hset(K.comp("book-5"), "t1", comp_encoder.encode(taken_back))
         return found

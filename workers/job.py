@@ -97,6 +97,11 @@ DEFER_MAX_SECONDS = 30
 # How many times a job that finds its lease held is continued later before it counts an attempt:
 # 1 + 2 + 4 + 8 + 16 + 30 s, longer than a holder that died keeps its lease.
 HELD_DEFERRALS_MAX = 6
+# How long a slip step runs on the record the job's first trip read, instead of reading it again:
+# long enough for a fast unwind's steps (a few ms each) to go without a round trip between them,
+# short enough that a take-back (a late step that must go first) is seen about as soon as when
+# each step read for itself, whose read raced the previous call's end the same way.
+SLIP_READS_HOLD = 0.25
 
 
 class RetryableFailure(Exception):
@@ -187,12 +192,14 @@ class _First:
     # Each slip step's record (and recorded step), read in the same trip: its attempt goes without
     # a round trip of its own while they are fresh, and the step before's report rides later.
     slip_reads: list[list[Any]] | None = None
+    # How long the replies are trusted (None: a third of the attempt's lease).
+    hold: float | None = None
 
     def member(self, n: int, lease: Lease) -> _First | None:
         """What the slip's step `n` reads as its own first reads: its parked lease, its record."""
         if self.slip_reads is None or n >= len(self.slip_reads):
             return None
-        return _First(lease.token, [True, None, *self.slip_reads[n]], self.at)
+        return _First(lease.token, [True, None, *self.slip_reads[n]], self.at, hold=SLIP_READS_HOLD)
 
 
 def first_reads(rq_job: Job, pipe: Pipeline) -> Callable[[list[Any]], None] | None:
@@ -348,12 +355,12 @@ def _run_slip(
     it are released, and the coordinator, the only writer, decides them anew.
 
     Between two steps no round trip is awaited while the reads made with the job's first trip
-    hold (a third of a lease, as for the job's own step: the slip's leases, parked then, are
-    surely still ours): step k's report and release wait in the outbox for the job's end-of-job
-    MULTI, or for the first step past that window, whose trip carries them in front of its own
-    reads (Redis runs them in order, so k+1 is read after k is reported). So a report is late by
-    at most that window and a call, never lost before RQ sees the job's end, and the coordinator
-    folds the reports after the unwind's calls instead of beside them.
+    hold (SLIP_READS_HOLD, within a third of a lease: the slip's leases, parked then, are surely
+    still ours): step k's report and release wait in the outbox for the job's end-of-job MULTI,
+    or for the first step past that window, whose trip carries them in front of its own reads
+    (Redis runs them in order, so k+1 is read after k is reported). So a report is late by at
+    most that window and a call, and the coordinator folds the reports after the unwind's calls
+    instead of beside them.
     """
     done, left = 0, list(slip)
     try:
@@ -466,7 +473,8 @@ class _Attempt:
     def run(self) -> str:
         job, first = self.job, self.first
         # Reads made in the worker's start-up MULTI hold while the lease's first renewal is not due.
-        if first is not None and first.replies is not None and time.monotonic() - first.at < self.lease.every:
+        hold = self.lease.every if first is None or first.hold is None else min(first.hold, self.lease.every)
+        if first is not None and first.replies is not None and time.monotonic() - first.at < hold:
             replies = first.replies
         else:  # the previous slip step's report and release ride in front of this step's reads
             with self.ctx.redis.pipeline(transaction=False) as pipe:
