@@ -27,6 +27,7 @@ POINTS: dict[str, str] = {
     "coordinator.after-commit": "a batch's transitions are committed; nothing dispatched or acknowledged yet",
     "worker.after-call": "a compensating call returned; its report is not written yet",
     "worker.after-dequeue": "RQ moved a job out of the queue's list; it is not marked started yet",
+    "worker.scheduler-spawned": "the worker spawned its scheduler child; RQ has not installed its signal handlers yet",
     "example.after-commit": "an example server committed a forward call's effect; its answer is not sent yet",
 }
 

@@ -85,7 +85,8 @@ class Probe(threading.Thread):
 class Measured(NamedTuple):
     probe: Probe
     missing: list[str]
-    during_stall: int  # acknowledged while the replication links stalled
+    held_from: int  # how many were acknowledged when the replication links stalled
+    during_stall: int  # acknowledged while they stalled
 
     def line(self, label: str) -> str:
         return (
@@ -114,7 +115,7 @@ def probe_through_failover(group: SentinelGroup, durability: Durability | None) 
     probe.stop()
     r = client_for(group.url)
     try:
-        return Measured(probe, probe.missing(r), during)
+        return Measured(probe, probe.missing(r), held_from, during)
     finally:
         r.close()
 
@@ -128,14 +129,24 @@ def test_with_wait_no_acknowledged_event_is_lost_in_a_failover(group: SentinelGr
 def test_without_wait_a_failover_loses_what_the_lagging_replica_had_not_received(group: SentinelGroup) -> None:
     """Asynchronous replication: what the primary acknowledged while its replicas lagged dies with it.
 
-    How many that is follows the publishing rate and the lag; the test asserts that acknowledged
-    events were lost, none of them from before the stall, and that the publisher followed the
-    promotion; it prints the figure README "Failover" quotes.
+    How many that is follows the publishing rate and the lag; the test asserts that what was
+    acknowledged during the stall was lost, as one run of the latest writes before the kill, and
+    that the publisher followed the promotion; it prints the figure README "Failover" quotes.
+    Before the stall the replicas lag too, by however far replication trails on a loaded machine
+    (60 events, some 7 ms, seen under a full suite): that tail is lost with the rest, so the run
+    may start a little before the stall, but not a whole stall's length before it.
     """
     measured = probe_through_failover(group, None)
     print(measured.line("without WAIT"))
-    assert 0 < len(measured.missing) <= measured.during_stall + 1  # +1: the write in flight as the stall began
-    assert measured.probe.acknowledged[-1] not in measured.missing  # it goes on on the new primary
+    acknowledged = measured.probe.acknowledged
+    assert measured.missing
+    first = acknowledged.index(measured.missing[0])
+    lost_run = acknowledged[first : first + len(measured.missing)]
+    assert measured.missing == lost_run  # the latest writes, none kept among them
+    held = acknowledged[measured.held_from + 1 : measured.held_from + measured.during_stall]
+    assert set(held) <= set(measured.missing)  # the stall's writes died with the primary (+1: the one in flight)
+    assert measured.held_from - first <= measured.during_stall  # a lag shorter than the stall before it
+    assert acknowledged[-1] not in measured.missing  # it goes on on the new primary
 
 
 # The unwind -------------------------------------------------------------------------------------

@@ -114,10 +114,16 @@ def run_burst(redis_url: str, config: Path, env: dict[str, str] | None = None) -
     )
 
 
-def start_worker(redis_url: str, config: Path, name: str, log: Path) -> subprocess.Popen[bytes]:
+def start_worker(
+    redis_url: str, config: Path, name: str, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
-            worker_command(redis_url, config, "--name", name), cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+            worker_command(redis_url, config, "--name", name),
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
 
 

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import redis
 from mcp_saga.cli.redis_server import RedisServer
+from mcp_saga.runtime.failpoints import FAILPOINTS_ENV
 from processes import stop, wait_for
 from rq import Queue
 from rq.job import JobStatus
+from rq.scheduler import SCHEDULER_KEY_TEMPLATE
 from test_worker_faults import children
 from test_worker_job import FAST, K, start_worker, write_config
 
@@ -36,6 +38,12 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def running(r: redis.Redis) -> bool:
+    """A scheduler child is in its loop: it registered itself (a child killed while it was still
+    being spawned never gets that far, and the lock its worker took for it lapses instead)."""
+    return bool(r.keys(SCHEDULER_KEY_TEMPLATE % "*"))
+
+
 def test_the_scheduler_of_a_sigkilled_worker_stops_and_frees_its_lock(
     private_redis: RedisServer, tmp_path: Path
 ) -> None:
@@ -44,7 +52,7 @@ def test_the_scheduler_of_a_sigkilled_worker_stops_and_frees_its_lock(
     first = start_worker(private_redis.url, config, "w-first", tmp_path / "first.log")
     try:
         [scheduler] = wait_for(lambda: schedulers(first.pid) or None, 60, "the scheduler child")
-        wait_for(lambda: r.get(LOCK), 30, "the scheduler lock")
+        wait_for(lambda: r.get(LOCK) and running(r), 30, "the scheduler to run")
     finally:
         stop(first, sig=signal.SIGKILL)
     # RQ's scheduler lives on after its worker: this one notices its new parent and lets go.
@@ -80,3 +88,18 @@ def test_a_stopped_worker_stops_its_scheduler_too(private_redis: RedisServer, tm
     assert stop(worker) == 0
     wait_for(lambda: not alive(scheduler), 10, "the scheduler to exit with its worker")
     assert r.get(LOCK) is None
+
+
+def test_a_worker_stopped_while_its_scheduler_is_spawned_stops_warm(private_redis: RedisServer, tmp_path: Path) -> None:
+    """RQ installs its signal handlers only after the scheduler's start: a SIGTERM in between
+    killed the worker with the signal (exit -15) and left the lock held. The fail point holds the
+    worker in that window for two seconds, so the SIGTERM lands there every time."""
+    r = redis.Redis.from_url(private_redis.url)
+    config = write_config(tmp_path / "saga.toml", {}, worker=FAST)
+    held = {FAILPOINTS_ENV: "worker.scheduler-spawned=sleep(2000)"}
+    worker = start_worker(private_redis.url, config, "w-early", tmp_path / "worker.log", env=held)
+    [scheduler] = wait_for(lambda: schedulers(worker.pid) or None, 60, "the scheduler child")
+    assert stop(worker) == 0  # the warm stop, once the worker has started
+    wait_for(lambda: not alive(scheduler), 10, "the scheduler to exit with its worker")
+    assert r.get(LOCK) is None
+    assert "stop requested while starting" in (tmp_path / "worker.log").read_text()

@@ -36,6 +36,7 @@ from multiprocessing import get_context
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
+from mcp_saga.runtime.failpoints import fail_point
 from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.runtime.redis_checks import MAX_REFUSAL_BACKOFF, RateLimitedLog, healing_condition
 from mcp_saga.workers.bookkeeping import LeanWorker
@@ -121,6 +122,7 @@ class HealingScheduler(RQScheduler):
         self._worker_pid = os.getpid()  # pickled with it: the child may be slower to look than the worker to die
         self._process = get_context("spawn").Process(target=run_scheduler, args=(self,), name="Scheduler")
         self._process.start()
+        fail_point("worker.scheduler-spawned")
         return self._process
 
     def work(self) -> None:

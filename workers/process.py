@@ -25,9 +25,11 @@ writes for a while (OOM, READONLY) is waited out, never a reason to exit.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from functools import partial
+from types import FrameType
 from typing import Any
 
 from mcp_saga.runtime.connect import check_layout, connect, connect_queue
@@ -44,6 +46,7 @@ from redis.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
+from rq.utils import now
 
 log = get_logger("worker")
 # Seconds between two of RQ's idle heartbeats (its worker key lives `worker_ttl`, 420 s).
@@ -58,6 +61,31 @@ class SagaWorker(HealingWorker):
     is `worker_ttl` (seven minutes). Those idle beats are sent at most every HEARTBEAT_EVERY
     seconds; the ones that set a job's TTL (in its own bookkeeping) are always sent.
     """
+
+    def defer_stops(self) -> None:
+        """Hold a SIGTERM or SIGINT that arrives while the worker starts until its loop's first look.
+
+        RQ installs its handlers only after its bootstrap and its scheduler's start: a stop asked in
+        between (a rolling deploy right after a scale-up) killed the worker with the signal, and the
+        scheduler child it was spawning died before it had its state, leaving the queue's scheduler
+        lock held until it expired. RQ's own handler there would raise StopRequested outside its
+        loop. This one asks for the warm stop that the loop then makes; a second signal is RQ's
+        cold stop.
+        """
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, self._stop_when_started)
+
+    def _stop_when_started(self, signum: int, frame: FrameType | None) -> None:
+        if self._stop_requested:
+            raise SystemExit()
+        self._stop_requested = True
+        self._shutdown_requested_date = now()
+        log.info("stop requested while starting: stopping once started", worker=self.name, signal=signum)
+
+    def bootstrap(self, *args: Any, **kwargs: Any) -> None:
+        self.defer_stops()
+        super().bootstrap(*args, **kwargs)
 
     def prepare_execution(self, job: Any) -> Any:
         # Between RQ's dequeue (the job left the queue's list) and its start, a death leaves the job
@@ -124,6 +152,7 @@ def run_worker(
     queue = Queue(config.keys().queue, connection=jobs)
     worker = SagaWorker([queue], connection=jobs, name=name)
     worker.connect_scheduler = partial(connect_queue, redis_url, config.redis, retry=retry)
+    worker.defer_stops()  # from here on a stop is a warm one: the slots below start before RQ's handlers
     slots = [
         SlotWorker([queue], connection=jobs, name=f"{worker.name}.{i}") for i in range(1, config.worker.concurrency)
     ]
@@ -149,7 +178,8 @@ def run_worker(
         if burst:  # slots stop on an empty queue; a retry they queued after the main worker left is still due
             for thread in threads:
                 thread.join()
-            while queue.count or queue.scheduled_job_registry.count:  # retries and deferred jobs
+            # Retries and deferred jobs, until done or a stop was asked.
+            while not worker._stopping() and (queue.count or queue.scheduled_job_registry.count):
                 if not queue.count:
                     time.sleep(0.2)  # not due yet: the scheduler of the next round enqueues it when it is
                 worker.work(burst=True, with_scheduler=True, logging_level=logging_level)
