@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from mcp_saga.runtime import tracing
 from mcp_saga.runtime.connect import connect_async
 from mcp_saga.runtime.durability import Durability
+from mcp_saga.runtime.pipelined import shared_pipelined
 from mcp_saga.runtime.publish import AsyncPublisher, OnFailure, clip, started_entry, step_entry, workflow_failed
 from mcp_saga.runtime.recovery_wire import IDEMPOTENCY_META_KEY, ToolDeclaration, read_tool_declarations
 from mcp_saga.runtime.sentinel import is_sentinel_url, parse_sentinel_url, sentinel_url
@@ -179,7 +180,12 @@ class Workflow:
         settings = self.config.redis if self.config is not None else RedisSettings()
         connection = connect_async(self._url, settings, retry=retry) if self._url is not None else self._redis
         durability = Durability.of(settings)
-        self.publisher = AsyncPublisher(connection, self._prefix, settings.partitions, durability=durability)
+        # The events ride one connection per event loop and Redis, shared by the loop's workflows
+        # (runtime/pipelined.py): redis-py's own cost per XADD was most of what a step added to its call.
+        pipe = await shared_pipelined(self._url if self._url is not None else connection, settings)
+        self.publisher = AsyncPublisher(
+            connection, self._prefix, settings.partitions, durability=durability, pipe=pipe, retry=retry
+        )
         self._span = tracing.workflow_span(self.id)
         self._state = "open"
         return self
@@ -273,11 +279,11 @@ class Workflow:
         # The caller's own idempotency key for the call, when it sends one (as the gateway does): the
         # server sees it, so it is the forward key a recall must repeat; else (workflow, step)'s.
         meta = dict(call_kwargs.pop("meta", None) or {})
-        own = meta.get(IDEMPOTENCY_META_KEY)
-        key = own if isinstance(own, str) and own else forward_key(self.id, step_id)
         try:
             try:
                 if self.intents:
+                    own = meta.get(IDEMPOTENCY_META_KEY)
+                    key = own if isinstance(own, str) and own else forward_key(self.id, step_id)
                     trace = tracing.wire_of(span)
                     patience = _seconds(call_kwargs.get("read_timeout_seconds"))
                     announced = await self._announce(step_id, server, tool, arguments, listing, trace, key, patience)

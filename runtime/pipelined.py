@@ -1,4 +1,4 @@
-"""One long-lived connection to one Redis that pipelines commands from every caller: the gateway's event writes.
+"""One long-lived connection to one Redis that pipelines commands from every caller: event writes.
 
 redis-py spends about 80 µs of CPU on each awaited command here (a connection taken from the pool
 and given back, a retry wrapper, a task for the drain behind a timeout, a timeout around the read,
@@ -8,7 +8,9 @@ is packed by hand (RESP is simple), written to the socket as it comes, and its f
 replies, parsed by hiredis, settle the futures in the order the commands were sent. Callers of all
 workflows share the connection; order per workflow is the order of their writes, as before.
 
-What it does not do, it leaves to redis-py: a Redis Cluster (MOVED/ASK, a connection per primary),
+The SDK's workflows share one per event loop and Redis (`shared_pipelined`): an agent's calls
+each write one or two events, and redis-py's cost per XADD was most of what `wf.call` adds to a
+call. What it does not do, it leaves to redis-py: a Redis Cluster (MOVED/ASK, a connection per primary),
 Sentinel (following a failover) and TLS make `pipelined_for` answer None, and the caller keeps the
 ordinary client. A connection that breaks fails every command in flight with redis-py's
 `ConnectionError` (a command may have been applied or not: the same uncertainty as any lost
@@ -20,12 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import weakref
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
 from mcp_saga.runtime.sentinel import is_sentinel_url
 from mcp_saga.schemas.config import RedisSettings
 from redis._parsers.base import BaseParser
+from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.connection import Connection, ConnectionPool, UnixDomainSocketConnection
 from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -36,6 +42,8 @@ except ImportError:  # pragma: no cover - a dependency of redis[hiredis]; withou
     hiredis = None
 
 CONNECT_TIMEOUT = 1.0
+# Where a connection goes and how it is set up: host, port, Unix path, db, username, password.
+_Identity = tuple[str, int, str | None, int, str | None, str | None]
 REPLY_TIMEOUT = 5.0
 Arg = bytes | str | int | float
 
@@ -217,6 +225,11 @@ class Pipelined:
 def pipelined_for(url: str, settings: RedisSettings, *, reply_timeout: float = REPLY_TIMEOUT) -> Pipelined | None:
     """The pipelined connection for `url`, or None where redis-py must stay (cluster, Sentinel, TLS,
     URL options this client does not know, no hiredis)."""
+    identity = _url_identity(url, settings)
+    return None if identity is None else _made(identity, reply_timeout)
+
+
+def _url_identity(url: str, settings: RedisSettings) -> _Identity | None:
     if hiredis is None or settings.cluster or is_sentinel_url(url):
         return None
     parts = urlsplit(url)
@@ -226,12 +239,73 @@ def pipelined_for(url: str, settings: RedisSettings, *, reply_timeout: float = R
     known = {"host", "port", "path", "db", "username", "password", "connection_class"}
     if set(options) - known:
         return None
-    return Pipelined(
+    return (
         options.get("host") or "localhost",
         int(options.get("port") or 6379),
-        path=options.get("path"),
-        db=int(options.get("db") or 0),
-        username=options.get("username"),
-        password=options.get("password"),
-        reply_timeout=reply_timeout,
+        options.get("path"),
+        int(options.get("db") or 0),
+        options.get("username"),
+        options.get("password"),
     )
+
+
+def _made(identity: _Identity, reply_timeout: float = REPLY_TIMEOUT) -> Pipelined:
+    host, port, path, db, username, password = identity
+    return Pipelined(host, port, path=path, db=db, username=username, password=password, reply_timeout=reply_timeout)
+
+
+# Per event loop: its shared connections by the Redis they reach, and what closes them at its end.
+_per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[dict[_Identity, Pipelined], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _identity_of(redis: AsyncRedis | str, settings: RedisSettings) -> _Identity | None:
+    """Where a plain connection of `redis` (a client or a URL) goes, or None where only redis-py may go."""
+    if isinstance(redis, str):
+        return _url_identity(redis, settings)
+    pool = getattr(redis, "connection_pool", None)  # a RedisCluster has none; a Sentinel pool is a subclass
+    if hiredis is None or settings.cluster or type(pool) is not ConnectionPool:
+        return None
+    if pool.connection_class not in (Connection, UnixDomainSocketConnection):  # TLS, or a class of the caller's
+        return None
+    kwargs = pool.connection_kwargs
+    path = kwargs.get("path")
+    return (
+        kwargs.get("host") or "localhost",
+        int(kwargs.get("port") or 6379),
+        path if pool.connection_class is UnixDomainSocketConnection else None,
+        int(kwargs.get("db") or 0),
+        kwargs.get("username"),
+        kwargs.get("password"),
+    )
+
+
+async def _closing(connections: dict[_Identity, Pipelined]) -> AsyncIterator[None]:
+    """An async generator the loop closes at its shutdown (`asyncio.run` calls `shutdown_asyncgens`),
+    and with it the loop's shared connections: a loop has no other hook for its end."""
+    try:
+        yield
+    finally:
+        for pipe in connections.values():
+            await pipe.aclose()
+
+
+async def shared_pipelined(redis: AsyncRedis | str, settings: RedisSettings) -> Pipelined | None:
+    """The running loop's pipelined connection to the Redis `redis` reaches, made on first use and
+    shared by every caller on the loop; None where redis-py must stay (see `pipelined_for`)."""
+    identity = _identity_of(redis, settings)
+    if identity is None:
+        return None
+    loop = asyncio.get_running_loop()
+    record = _per_loop.get(loop)
+    if record is None:
+        connections: dict[_Identity, Pipelined] = {}
+        closer = _closing(connections)
+        await closer.__anext__()  # started: the loop's asyncgen hooks now track it
+        record = _per_loop[loop] = (connections, closer)
+    connections = record[0]
+    pipe = connections.get(identity)
+    if pipe is None:
+        pipe = connections[identity] = _made(identity)
+    return pipe

@@ -333,6 +333,10 @@ class _Base:
         return self._streams[self.keys.partition_of(workflow)]
 
 
+async def _retrying(error: Exception) -> None:
+    """What redis-py's Retry calls between two tries: a repeated XADD is harmless, so nothing to undo."""
+
+
 def _entry_id(reply: Any) -> str:
     return reply.decode() if isinstance(reply, bytes) else str(reply)
 
@@ -403,11 +407,15 @@ class AsyncPublisher(_Base):
 
     redis: redis.asyncio.Redis
 
-    def __init__(self, *args: Any, pipe: Pipelined | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, pipe: Pipelined | None = None, retry: redis.asyncio.retry.Retry | None = None, **kwargs: Any
+    ) -> None:
         """`pipe`: a pipelined connection to the same (standalone) Redis, which then carries every XADD
-        (and its WAIT) at a fraction of redis-py's cost per command; `redis` keeps everything else."""
+        (and its WAIT) at a fraction of redis-py's cost per command; `redis` keeps everything else.
+        `retry`: how an XADD on `pipe` that met a lost connection or a timeout is sent again (redis-py's
+        own clients retry by themselves; the pipe does not, and the gateway retries its writes itself)."""
         super().__init__(*args, **kwargs)
-        self.pipe = pipe
+        self.pipe, self.retry = pipe, retry
         # On a cluster with durability, a client of each primary's own (node_client_async).
         self._nodes: dict[str, redis.asyncio.Redis] = {}
 
@@ -417,7 +425,10 @@ class AsyncPublisher(_Base):
     async def add(self, workflow: str, entry: dict[bytes, bytes], what: str = "event") -> str:
         stream = self.stream_for(workflow)
         if self.pipe is not None:
-            return await self._add_piped(self.pipe, stream, entry, what)
+            pipe = self.pipe
+            if self.retry is None:
+                return await self._add_piped(pipe, stream, entry, what)
+            return await self.retry.call_with_retry(lambda: self._add_piped(pipe, stream, entry, what), _retrying)
         if self.durability is None:
             return _entry_id(await self.redis.xadd(stream, entry))  # type: ignore[arg-type]
         waits = _resend_waits()

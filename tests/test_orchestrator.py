@@ -8,6 +8,7 @@ coordinator accepts it" is checked by the coordinator rather than assumed.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,13 @@ import redis
 import redis.asyncio as aioredis
 from mcp import Client
 from mcp.server.mcpserver import MCPServer
+from mcp_saga.cli.redis_server import RedisServer, find_redis_server
 from mcp_saga.coordinator.consumer import Coordinator
 from mcp_saga.examples import SERVERS
 from mcp_saga.examples.shipping import SIMULATED_FAILURE
+from mcp_saga.runtime.pipelined import Pipelined, shared_pipelined
 from mcp_saga.runtime.recovery_wire import compensation, recoverable_tool
-from mcp_saga.schemas.config import parse_config
+from mcp_saga.schemas.config import RedisSettings, parse_config
 from mcp_saga.schemas.events import Event, FailedStep, StepCompleted, WorkflowCompleted, WorkflowFailed, decode_entry
 from mcp_saga.schemas.expressions import CUT_META_KEY
 from mcp_saga.schemas.keys import Keys
@@ -31,6 +34,8 @@ from mcp_saga.schemas.records import forward_key
 from mcp_saga.schemas.recovery import parse_recovery
 from mcp_types import CallToolResult, TextContent
 from processes import start_http_servers, stdio_params
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 import mcp_saga
 
@@ -337,24 +342,89 @@ async def test_a_result_over_the_cap_is_returned_whole_and_recorded_with_what_it
 async def test_a_step_that_could_not_be_written_refuses_the_next_call(
     r: redis.Redis, ar: aioredis.Redis, clients: dict[str, Client], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    xadd, writes = ar.xadd, []
+    """The first step's XADD fails every time (each of its retries): what a Redis gone for longer
+    than they last looks like; every other write goes through."""
+    xadd, writes = Pipelined.xadd, []
 
-    async def first_write_lost(*args: Any, **kwargs: Any) -> Any:
-        writes.append(args)
-        if len(writes) == 1:
+    async def first_step_lost(pipe: Pipelined, stream: str, fields: dict[bytes, bytes]) -> bytes:
+        writes.append(fields)
+        if b'"1-reserve_inventory"' in fields[b"data"]:
             raise redis.ConnectionError("redis went away")
-        return await xadd(*args, **kwargs)
+        return await xadd(pipe, stream, fields)
 
-    monkeypatch.setattr(ar, "xadd", first_write_lost)
+    monkeypatch.setattr(Pipelined, "xadd", first_step_lost)
+    monkeypatch.setattr(sdk, "Retry", lambda backoff, retries: Retry(NoBackoff(), 2))
     with pytest.raises(mcp_saga.StepNotRecorded, match="1-reserve_inventory"):
         async with mcp_saga.workflow("order-lost", redis=ar, servers=clients, intents=False) as wf:
             await wf.call(*ORDER[0])
             with pytest.raises(mcp_saga.StepNotRecorded):
                 await wf.flush()
             await wf.call(*ORDER[1])  # refused before the tool runs: no new side effect on an unrecorded trail
+    assert len(writes) == 3 + 1  # the step's write and its two retries, then the workflow-failed
     assert wf.steps_completed == 1
     (failed,) = events(r)
     assert failed.data.steps_completed == 1 and failed.data.reason.startswith("StepNotRecorded: ")
+
+
+async def test_a_redis_restart_between_two_steps_loses_neither(clients: dict[str, Client], tmp_path: Path) -> None:
+    """A real restart (SIGKILL, then the same port, the AOF kept): the shared event connection breaks,
+    and the next step's XADD connects again under the retries instead of failing the call."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server")
+    server = RedisServer(binary, appendonly=True).start()
+    try:
+        client = aioredis.Redis.from_url(server.url)
+        async with mcp_saga.workflow("order-restart", redis=client, servers=clients, intents=False) as wf:
+            await wf.call(*ORDER[0])
+            await wf.flush()
+            server.stop(kill=True)
+            restarted = asyncio.get_running_loop().run_in_executor(None, _restart_after, server, 0.3)
+            await wf.call(*ORDER[1])  # its XADD meets a closed connection, then no server, then the new one
+            await wf.flush()
+            await restarted
+        await client.aclose()
+        sync = redis.Redis.from_url(server.url)
+        found = [decode_entry(i.decode(), fields) for i, fields in sync.xrange(K.events)]
+        sync.close()
+        assert [e.type for e in found] == ["step-completed", "step-completed", "workflow-completed"]
+        assert [e.data.step for e in found[:2]] == ["1-reserve_inventory", "2-charge_payment"]
+    finally:
+        server.cleanup()
+
+
+def _restart_after(server: RedisServer, delay: float) -> None:
+    time.sleep(delay)
+    server.start()
+
+
+async def test_the_workflows_of_one_loop_share_one_event_connection(
+    r: redis.Redis, redis_url: str, clients: dict[str, Client]
+) -> None:
+    """Each workflow's events go over the loop's one pipelined connection to that Redis, whether the
+    workflow was given a client or the URL; redis-py's pool is not used for them."""
+    given = aioredis.Redis.from_url(redis_url)
+    pipes = []
+    for n, target in enumerate([given, redis_url, given]):
+        async with mcp_saga.workflow(f"order-shared-{n}", redis=target, servers=clients, intents=False) as wf:
+            await wf.call(*ORDER[0])
+            pipes.append(wf.publisher.pipe)
+    assert pipes[0] is not None and pipes[0] is pipes[1] is pipes[2]
+    assert pipes[0].connects == 1
+    pool = given.connection_pool
+    assert not pool._available_connections and not pool._in_use_connections  # type: ignore[attr-defined]
+    await given.aclose()
+    assert [e.type for e in events(r)] == ["step-completed", "workflow-completed"] * 3
+
+
+async def test_a_tls_or_sentinel_redis_keeps_redis_py() -> None:
+    """Where the pipelined connection cannot go, the workflow's events stay on redis-py's client."""
+    settings = RedisSettings()
+    assert await shared_pipelined(aioredis.Redis.from_url("rediss://127.0.0.1:1"), settings) is None
+    assert await shared_pipelined("redis+sentinel://127.0.0.1:1/mymaster", settings) is None
+    assert await shared_pipelined("rediss://127.0.0.1:1", settings) is None
+    cluster = RedisSettings(cluster=True, queue_url="redis://127.0.0.1:2")
+    assert await shared_pipelined("redis://127.0.0.1:1", cluster) is None
 
 
 async def test_each_call_is_announced_with_its_forward_key_which_the_server_receives(
@@ -378,7 +448,8 @@ async def test_an_intent_redis_does_not_acknowledge_stops_the_call_before_it_is_
     async def refused(*args: Any, **kwargs: Any) -> Any:
         raise redis.ConnectionError("redis went away")
 
-    monkeypatch.setattr(ar, "xadd", refused)
+    monkeypatch.setattr(Pipelined, "xadd", refused)
+    monkeypatch.setattr(sdk, "Retry", lambda backoff, retries: Retry(NoBackoff(), 1))
     before = await clients["payments"].call_tool("state", {})
     with pytest.raises(mcp_saga.StepNotRecorded, match="the call was not made"):
         async with mcp_saga.workflow("order-no-intent", redis=ar, servers=clients) as wf:
