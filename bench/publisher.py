@@ -1,6 +1,6 @@
 """What `wf.call` costs over a bare `Client.call_tool`, against a tool that takes about 2 ms.
 
-    python -m bench.publisher [--calls 100] [--steps 10] [--rounds 30] [--http] [--redis URL]
+    python -m bench.publisher [--calls 100] [--steps 10] [--rounds 30] [--http] [--redis-py-too] [--redis URL]
 
 The server is this module (`--serve`): one tool that sleeps 2 ms and declares its compensation,
 so the wrapper does everything it does in production (listing read once, the call's intent
@@ -8,18 +8,23 @@ written and awaited before it, one XADD per call after it, the terminal event on
 calls). A third mode runs the wrapper with `intents=False`, so the cost of the awaited intent
 (one Redis round trip before each call) is measured against the same bare calls in the same run.
 The modes alternate on the same session in short rounds, so that load from other processes on a
-shared machine hits them alike; the figures are medians over the rounds.
+shared machine hits them alike; the figures are medians over the rounds. `--redis-py-too` adds
+both wrapper modes with the events on redis-py's client instead of the pipelined connection (the
+SDK's path before 2026-12-03, for an A/B in one run) and prints each mode's paired ratio to the
+bare round beside it and this process's CPU per call.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import mcp_saga
@@ -50,44 +55,70 @@ def serve(http: int | None) -> None:
 PREFIX = "bench"  # its own stream, deleted afterwards: never touch a real saga:events
 
 
-async def measure(client: object, redis_url: str, calls: int, steps: int, rounds: int) -> dict[str, list[float]]:
+@contextlib.contextmanager
+def _on_redis_py() -> Iterator[None]:
+    """The SDK's events on redis-py's client, as before the pipelined connection: no pipe is found."""
+    from mcp_saga.orchestrator import wrapper
+
+    async def none(*_: object) -> None:
+        return None
+
+    shared, wrapper.shared_pipelined = wrapper.shared_pipelined, none  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        wrapper.shared_pipelined = shared
+
+
+async def measure(
+    client: object, redis_url: str, calls: int, steps: int, rounds: int, redis_py_too: bool = False
+) -> dict[str, list[float]]:
+    """Seconds per call of each mode, one entry per round; with `redis_py_too`, also "cpu:MODE", this
+    process's CPU seconds per call in the same rounds."""
     import redis.asyncio as aioredis
 
-    async def bare(_: int) -> float:
-        start = time.perf_counter()
+    async def bare(_: int) -> None:
         for n in range(calls):
             await client.call_tool("work", {"n": n})  # type: ignore[attr-defined]
-        return (time.perf_counter() - start) / calls
 
-    async def wrapped(round_no: int, intents: bool = True) -> float:
-        start = time.perf_counter()
-        for w in range(calls // steps):
-            async with mcp_saga.workflow(
-                f"bench-{round_no}-{w}", redis=r, servers={"bench": client}, prefix=PREFIX, intents=intents
-            ) as wf:
-                for n in range(steps):
-                    await wf.call("bench", "work", {"n": n})
-        return (time.perf_counter() - start) / (calls // steps * steps)
-
-    async def no_intents(round_no: int) -> float:
-        return await wrapped(round_no, intents=False)
+    async def wrapped(round_no: int, intents: bool = True, redis_py: bool = False) -> None:
+        with _on_redis_py() if redis_py else contextlib.nullcontext():
+            for w in range(calls // steps):
+                async with mcp_saga.workflow(
+                    f"bench-{round_no}-{w}", redis=r, servers={"bench": client}, prefix=PREFIX, intents=intents
+                ) as wf:
+                    for n in range(steps):
+                        await wf.call("bench", "work", {"n": n})
 
     r = aioredis.Redis.from_url(redis_url)
-    modes = {"bare": bare, "wrapped": wrapped, "no-intents": no_intents}
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    modes = {
+        "bare": bare,
+        "wrapped": wrapped,
+        "no-intents": lambda i: wrapped(i, intents=False),
+    }
+    if redis_py_too:
+        modes["wrapped/redis-py"] = lambda i: wrapped(i, redis_py=True)
+        modes["no-intents/redis-py"] = lambda i: wrapped(i, intents=False, redis_py=True)
+    per_round = {"bare": calls, **{mode: calls // steps * steps for mode in modes if mode != "bare"}}
+    times: dict[str, list[float]] = {mode: [] for mode in modes} | {f"cpu:{mode}": [] for mode in modes}
     try:
         for fn in modes.values():
             await fn(-1)  # warm-up: connections, the tools/list cache
         for i in range(rounds):
             for mode in random.sample(list(modes), len(modes)):
-                times[mode].append(await modes[mode](i))
+                cpu, start = time.process_time(), time.perf_counter()
+                await modes[mode](i)
+                times[mode].append((time.perf_counter() - start) / per_round[mode])
+                times[f"cpu:{mode}"].append((time.process_time() - cpu) / per_round[mode])
     finally:
         await r.delete(f"{PREFIX}:events")
         await r.aclose()
     return times
 
 
-async def timings(redis_url: str, *, http: bool, calls: int, steps: int, rounds: int) -> dict[str, list[float]]:
+async def timings(
+    redis_url: str, *, http: bool, calls: int, steps: int, rounds: int, redis_py_too: bool = False
+) -> dict[str, list[float]]:
     from mcp import Client, StdioServerParameters
 
     if http:
@@ -95,10 +126,10 @@ async def timings(redis_url: str, *, http: bool, calls: int, steps: int, rounds:
 
         with start_http_server("bench.publisher", "--serve") as (_, url):
             async with Client(url) as client:
-                return await measure(client, redis_url, calls, steps, rounds)
+                return await measure(client, redis_url, calls, steps, rounds, redis_py_too)
     params = StdioServerParameters(command=sys.executable, args=["-m", "bench.publisher", "--serve"], cwd=str(REPO))
     async with Client(params) as client:
-        return await measure(client, redis_url, calls, steps, rounds)
+        return await measure(client, redis_url, calls, steps, rounds, redis_py_too)
 
 
 def rows(redis_url: str, *, http: bool = False, calls: int = 100, steps: int = 10, rounds: int = 20) -> list[Row]:
@@ -114,7 +145,8 @@ def rows(redis_url: str, *, http: bool = False, calls: int = 100, steps: int = 1
 
 
 async def run(args: argparse.Namespace, redis_url: str) -> None:
-    times = await timings(redis_url, http=args.http, calls=args.calls, steps=args.steps, rounds=args.rounds)
+    sizes = {"calls": args.calls, "steps": args.steps, "rounds": args.rounds}
+    times = await timings(redis_url, http=args.http, redis_py_too=args.redis_py_too, **sizes)
     transport = "streamable HTTP" if args.http else "stdio"
     print(f"tool sleeps {DELAY * 1000:g} ms, {transport}, {args.steps} calls per workflow (end event included);")
     print(f"{args.rounds} rounds of {args.calls} calls each way, order shuffled; load average {os.getloadavg()[0]:.2f}")
@@ -128,6 +160,14 @@ async def run(args: argparse.Namespace, redis_url: str) -> None:
     print(f"{'intent ms':22}{(wrapped[0] - plain[0]) * 1000:10.3f}{(wrapped[1] - plain[1]) * 1000:12.3f}")
     print(f"{'overhead ms':22}{(wrapped[0] - bare[0]) * 1000:10.3f}{(wrapped[1] - bare[1]) * 1000:12.3f}")
     print(f"{'ratio':22}{wrapped[0] / bare[0]:10.3f}{wrapped[1] / bare[1]:12.3f}")
+    if args.redis_py_too:
+        print("each mode against the bare round beside it (paired), and this process's CPU per call:")
+        print(f"{'':22}{'ratio':>10}{'CPU us':>10}{'CPU over bare':>15}")
+        cpu_bare = statistics.median(times["cpu:bare"]) * 1e6
+        for mode in ("no-intents", "no-intents/redis-py", "wrapped", "wrapped/redis-py"):
+            paired = statistics.median(a / b for a, b in zip(times[mode], times["bare"], strict=True))
+            cpu = statistics.median(times[f"cpu:{mode}"]) * 1e6
+            print(f"{mode:22}{paired:10.3f}{cpu:10.0f}{cpu - cpu_bare:15.0f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="calls per workflow")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--http", action="store_true", help="streamable HTTP instead of stdio")
+    parser.add_argument(
+        "--redis-py-too", action="store_true", help="also the wrapper with its events on redis-py (A/B, same run)"
+    )
     parser.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="default: $REDIS_URL, else a private one")
     args = parser.parse_args(argv)
     from mcp_saga.cli.redis_server import resolve_redis

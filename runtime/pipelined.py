@@ -42,9 +42,9 @@ except ImportError:  # pragma: no cover - a dependency of redis[hiredis]; withou
     hiredis = None
 
 CONNECT_TIMEOUT = 1.0
+REPLY_TIMEOUT = 5.0
 # Where a connection goes and how it is set up: host, port, Unix path, db, username, password.
 _Identity = tuple[str, int, str | None, int, str | None, str | None]
-REPLY_TIMEOUT = 5.0
 Arg = bytes | str | int | float
 
 
@@ -270,6 +270,8 @@ def _identity_of(redis: AsyncRedis | str, settings: RedisSettings) -> _Identity 
     if pool.connection_class not in (Connection, UnixDomainSocketConnection):  # TLS, or a class of the caller's
         return None
     kwargs = pool.connection_kwargs
+    if kwargs.get("credential_provider") is not None:  # credentials only redis-py knows how to ask for
+        return None
     path = kwargs.get("path")
     return (
         kwargs.get("host") or "localhost",

@@ -36,6 +36,7 @@ from mcp_types import CallToolResult, TextContent
 from processes import start_http_servers, stdio_params
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.credentials import UsernamePasswordCredentialProvider
 
 import mcp_saga
 
@@ -423,6 +424,8 @@ async def test_a_tls_or_sentinel_redis_keeps_redis_py() -> None:
     assert await shared_pipelined(aioredis.Redis.from_url("rediss://127.0.0.1:1"), settings) is None
     assert await shared_pipelined("redis+sentinel://127.0.0.1:1/mymaster", settings) is None
     assert await shared_pipelined("rediss://127.0.0.1:1", settings) is None
+    provided = aioredis.Redis(port=1, credential_provider=UsernamePasswordCredentialProvider("u", "p"))
+    assert await shared_pipelined(provided, settings) is None
     cluster = RedisSettings(cluster=True, queue_url="redis://127.0.0.1:2")
     assert await shared_pipelined("redis://127.0.0.1:1", cluster) is None
 
