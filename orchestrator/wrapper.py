@@ -42,6 +42,7 @@ from mcp_saga.schemas.results import result_text as _text_of
 from redis import Redis as SyncRedis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 if TYPE_CHECKING:
     from mcp import Client
@@ -182,9 +183,13 @@ class Workflow:
         durability = Durability.of(settings)
         # The events ride one connection per event loop and Redis, shared by the loop's workflows
         # (runtime/pipelined.py): redis-py's own cost per XADD was most of what a step added to its call.
+        # Its writes are sent again after a lost connection (a restart), not after a reply that is
+        # REPLY_TIMEOUT late: each such try would hold the agent's call that long again, and a
+        # stopped Redis held a call for two minutes.
         pipe = await shared_pipelined(self._url if self._url is not None else connection, settings)
+        resend = Retry(ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10, supported_errors=(RedisConnectionError,))
         self.publisher = AsyncPublisher(
-            connection, self._prefix, settings.partitions, durability=durability, pipe=pipe, retry=retry
+            connection, self._prefix, settings.partitions, durability=durability, pipe=pipe, retry=resend
         )
         self._span = tracing.workflow_span(self.id)
         self._state = "open"

@@ -8,6 +8,7 @@ coordinator accepts it" is checked by the coordinator rather than assumed.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -354,7 +355,7 @@ async def test_a_step_that_could_not_be_written_refuses_the_next_call(
         return await xadd(pipe, stream, fields)
 
     monkeypatch.setattr(Pipelined, "xadd", first_step_lost)
-    monkeypatch.setattr(sdk, "Retry", lambda backoff, retries: Retry(NoBackoff(), 2))
+    monkeypatch.setattr(sdk, "Retry", lambda backoff, retries, **kw: Retry(NoBackoff(), 2, **kw))
     with pytest.raises(mcp_saga.StepNotRecorded, match="1-reserve_inventory"):
         async with mcp_saga.workflow("order-lost", redis=ar, servers=clients, intents=False) as wf:
             await wf.call(*ORDER[0])
@@ -392,6 +393,29 @@ async def test_a_redis_restart_between_two_steps_loses_neither(clients: dict[str
         assert [e.data.step for e in found[:2]] == ["1-reserve_inventory", "2-charge_payment"]
     finally:
         server.cleanup()
+
+
+@pytest.mark.timeout(60)  # each late reply was tried again: a stopped Redis held the call for two minutes
+async def test_a_stopped_redis_refuses_the_call_instead_of_holding_it(clients: dict[str, Client]) -> None:
+    """SIGSTOP, a Redis that accepts bytes and never answers: the intent's reply is REPLY_TIMEOUT late
+    once, the call is not made, and the block's exit tries its failure signal once more."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server")
+    server = RedisServer(binary).start()
+    assert server.process is not None
+    before = await clients["payments"].call_tool("state", {})
+    try:
+        with pytest.raises(mcp_saga.StepNotRecorded, match="the call was not made"):
+            async with mcp_saga.workflow("order-stalled", redis=server.url, servers=clients) as wf:
+                await wf.call(*ORDER[0])
+                server.process.send_signal(signal.SIGSTOP)
+                await wf.call(*ORDER[1])
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+        server.cleanup()
+    after = await clients["payments"].call_tool("state", {})
+    assert len(after.structured_content["effects"]) == len(before.structured_content["effects"])
 
 
 def _restart_after(server: RedisServer, delay: float) -> None:
@@ -452,7 +476,7 @@ async def test_an_intent_redis_does_not_acknowledge_stops_the_call_before_it_is_
         raise redis.ConnectionError("redis went away")
 
     monkeypatch.setattr(Pipelined, "xadd", refused)
-    monkeypatch.setattr(sdk, "Retry", lambda backoff, retries: Retry(NoBackoff(), 1))
+    monkeypatch.setattr(sdk, "Retry", lambda backoff, retries, **kw: Retry(NoBackoff(), 1, **kw))
     before = await clients["payments"].call_tool("state", {})
     with pytest.raises(mcp_saga.StepNotRecorded, match="the call was not made"):
         async with mcp_saga.workflow("order-no-intent", redis=ar, servers=clients) as wf:
