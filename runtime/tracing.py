@@ -30,7 +30,7 @@ import re
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import SimpleNamespace, TracebackType
@@ -48,6 +48,9 @@ INSTRUMENTATION = "mcp_saga"
 # The MCP SDK's own tracer (mcp/shared/_otel.py), which spans every request a client sends.
 MCP_SDK_TRACER = "mcp-python-sdk"
 _ON_VALUES = {"otlp", "console"}
+# `_Lean` hands the spans it holds to the processors this many at a time, or once the oldest waited this long.
+HAND_OVER_AT = 32
+HAND_OVER_AFTER = 1.0
 _state: dict[str, Any] = {"on": None, "tracer": None, "quiet": frozenset()}
 
 
@@ -67,11 +70,12 @@ def remember(workflow: str, carrier: Mapping[str, str] | TraceContext | None) ->
 
 
 def _remember_id(workflow: str, trace: str) -> None:
-    with _recent_lock:
-        _recent[workflow] = trace
-        _recent.move_to_end(workflow)
-        if len(_recent) > _RECENT_MAX:
-            _recent.popitem(last=False)
+    # Without a lock: each step is one atomic operation of the C OrderedDict, and a race costs at
+    # most an entry's place in the order or one too many trimmed (a lock was a tenth of a worker attempt's tracing).
+    _recent.pop(workflow, None)
+    _recent[workflow] = trace  # at the end: the most recent
+    if len(_recent) > _RECENT_MAX:
+        _recent.popitem(last=False)
 
 
 def trace_id(workflow: str) -> str | None:
@@ -115,10 +119,20 @@ def setup(component: str) -> bool:
     quiet = frozenset({MCP_SDK_TRACER} if component == "worker" else ())
 
     class Provider(TracerProvider):
+        hands_over = True  # `_Lean` may hand its spans to the processors in batches: `force_flush` drains them
+
         def get_tracer(self, instrumenting_module_name: str, *args: Any, **kwargs: Any) -> Any:
             if instrumenting_module_name in quiet:
                 return trace.NoOpTracer()  # hands on the current context, records nothing
             return super().get_tracer(instrumenting_module_name, *args, **kwargs)
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            _hand_over()
+            return super().force_flush(timeout_millis)
+
+        def shutdown(self) -> None:
+            _hand_over()
+            super().shutdown()
 
     class Hashed(Resource):
         """The resource, its hash computed once: the OTLP exporter groups the spans of each batch by
@@ -189,8 +203,15 @@ def _provided() -> tuple[Any, Any, bool, Any]:
         sampler = getattr(provider, "sampler", None)
         drops = sampler is not None and "remoteParentNotSampled:AlwaysOffSampler" in sampler.get_description()
         tracer = provider.get_tracer(INSTRUMENTATION)
-        cached = _state["tracer"] = (provider, tracer, drops, _Lean.of(tracer))
+        cached = _state["tracer"] = (provider, tracer, drops, _Lean.of(tracer, getattr(provider, "hands_over", False)))
     return cached
+
+
+def _hand_over() -> None:
+    """Give the processors the spans `_Lean` holds (before a flush or a shutdown exports what they hold)."""
+    cached = _state["tracer"]
+    if cached is not None and cached[3] is not None:
+        cached[3].hand_over()
 
 
 def _tracer() -> Any:
@@ -429,17 +450,44 @@ class _Lean:
     `ReadableSpan` the SDK's span hands its processors: the same name, ids, parent, flags, trace
     state, kind, attributes, status, resource and scope, so every processor and exporter the
     OTEL_* variables configure gets what the SDK's span would have given it.
+
+    Even that, done at each span's end, cost an attempt 50-70 us of its thread amid the real work
+    (9 us in a loop): the contexts, the `ReadableSpan` and three processor calls down to the batch
+    processor's queue, all cold again. So under the provider `setup` installs (`hands_over`), and
+    unless a processor exports as each span ends (`SimpleSpanProcessor`: the console exporter of a
+    test, say), an ended span only joins `held`, and the processors receive the held spans
+    `HAND_OVER_AT` at a time, one after the other while that code is warm, or once the oldest has
+    waited `patience` (a thread of ours looks twice as often), or on the provider's `force_flush`
+    and `shutdown`. The batch processor holds its spans for seconds anyway (5 by default); a span
+    reaches it at most a second or a fifth of its delay later, and a SIGKILL loses what either held.
     """
 
-    __slots__ = ("ReadableSpan", "api", "checked", "no_ops", "processor", "tracer")
+    __slots__ = (
+        "ReadableSpan",
+        "api",
+        "checked",
+        "handing",
+        "held",
+        "holds",
+        "no_ops",
+        "patience",
+        "processor",
+        "simple",
+        "tracer",
+    )  # fmt: skip
 
-    def __init__(self, tracer: Any, no_ops: frozenset[Any], readable: type) -> None:
+    def __init__(self, tracer: Any, no_ops: frozenset[Any], readable: type, simple: type, holds: bool) -> None:
         self.api, self.tracer, self.processor = _api(), tracer, tracer.span_processor
         self.checked: Any = None
-        self.ReadableSpan, self.no_ops = readable, no_ops
+        self.ReadableSpan, self.no_ops, self.simple = readable, no_ops, simple
+        self.holds = holds  # whether the provider allows it; `handing`: whether the processors do too
+        self.handing, self.patience = False, HAND_OVER_AFTER
+        self.held: deque[_LeanSpan] = deque()
+        self.fits()  # the patience, before the watch starts waiting
+        self._watch()
 
     @classmethod
-    def of(cls, tracer: Any) -> _Lean | None:
+    def of(cls, tracer: Any, holds: bool = False) -> _Lean | None:
         try:
             from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, Tracer
             from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -468,39 +516,82 @@ class _Lean:
             for kind in (SpanProcessor, BatchSpanProcessor, SimpleSpanProcessor)
             for hook in ("on_start", "_on_ending")
         )
-        return cls(tracer, no_ops, ReadableSpan)
+        return cls(tracer, no_ops, ReadableSpan, SimpleSpanProcessor, holds)
 
     def fits(self) -> bool:
         """Whether every processor ignores a span's start and ending (checked again when one is added)."""
         processors = self.processor._span_processors
         if processors is not self.checked:
+            if self.checked is not None:  # what ended before the change goes to the processors of then
+                self.hand_over(self.checked)
             quiet = all(
                 getattr(type(p), hook, None) in self.no_ops for p in processors for hook in ("on_start", "_on_ending")
             )
             self.checked = processors if quiet else None
+            self.handing = self.holds and not any(isinstance(p, self.simple) for p in processors)
+            # Never later than a fifth of what a batch processor is told to wait (OTEL_BSP_SCHEDULE_DELAY).
+            delays = [getattr(getattr(p, "_batch_processor", None), "_schedule_delay", None) for p in processors]
+            self.patience = min([HAND_OVER_AFTER, *(d / 5 for d in delays if isinstance(d, int | float))])
         return self.checked is not None
+
+    def ended(self, span: _LeanSpan) -> None:
+        if not self.handing:
+            self.processor.on_end(span.readable())
+            return
+        self.held.append(span)
+        if len(self.held) >= HAND_OVER_AT:
+            self.hand_over()
+
+    def hand_over(self, processors: Iterable[Any] | None = None) -> None:
+        """The held spans to the processors (to `processors` when given); safe from any thread (each
+        span is taken once)."""
+        held, to = self.held, [self.processor] if processors is None else list(processors)
+        while True:
+            try:
+                span = held.popleft()
+            except IndexError:
+                return
+            readable = span.readable()
+            for processor in to:
+                processor.on_end(readable)
+
+    def _watch(self) -> None:
+        """Hands the held spans over once the oldest has waited `HAND_OVER_AFTER` (a quiet process's last ones)."""
+        if not self.holds:
+            return
+
+        def watch() -> None:
+            while True:
+                time.sleep(self.patience / 2)
+                held = self.held
+                if held and held[0].ended_at < time.time_ns() - self.patience * 1e9:
+                    self.hand_over()
+
+        threading.Thread(target=watch, name="saga-span-hand-over", daemon=True).start()
+        os.register_at_fork(after_in_child=self.held.clear)  # the parent hands those over; the thread is not here
 
 
 class _LeanSpan:
-    """A span `_Lean` makes: what it needs until its end, when the processors receive it.
+    """A span `_Lean` makes: what it needs until the processors receive it.
 
     The worker's attempt span (a client span: its `tools/call`) and the coordinator's transition
     span (internal, started at its batch's start): the SDK's `start_span` and `end` cost a
-    transition about 52 us in a loop, this way 12-18 us (issue 17, Cost: ingest)."""
+    transition about 52 us in a loop, this way 12-18 us (issue 17, Cost: ingest). Only what the
+    carrier needs is computed as it starts; the parent's ids are parsed and the contexts built
+    when the span is handed over (`readable`)."""
 
     __slots__ = (
         "attributes",
         "carrier",
+        "ended_at",
         "kind",
         "lean",
+        "match",
         "name",
-        "parent_flags",
-        "parent_id",
         "span_id",
         "start",
         "state",
         "status",
-        "trace_id",
     )  # fmt: skip
 
     def __init__(
@@ -514,14 +605,12 @@ class _LeanSpan:
         kind: Any = None,
     ) -> None:
         self.start = time.time_ns() if start is None else start
-        self.lean, self.name, self.attributes, self.status = lean, name, attributes, None
-        self.kind = lean.api.INTERNAL if kind is None else kind
-        self.trace_id, self.parent_id = int(match["trace"], 16), int(match["span"], 16)
-        self.parent_flags = int(match["flags"], 16)
+        self.lean, self.name, self.match, self.attributes, self.kind = lean, name, match, attributes, kind
+        self.status = None
         self.span_id = lean.tracer.id_generator.generate_span_id()
         # The SDK's flags for the child of a sampled parent: sampled, and the parent's random-id bit.
-        flags = 0x01 | (self.parent_flags & 0x02)
-        self.carrier = {"traceparent": f"00-{match['trace']}-{self.span_id:016x}-{flags:02x}"}
+        flags = "03" if int(match["flags"], 16) & 0x02 else "01"
+        self.carrier = {"traceparent": f"00-{match['trace']}-{self.span_id:016x}-{flags}"}
         self.state = lean.api.TraceState.from_header([state]) if state else None
         if self.state:
             self.carrier["tracestate"] = self.state.to_header()
@@ -536,33 +625,44 @@ class _LeanSpan:
         self.status = status
 
     def end(self) -> None:
-        api, tracer, ended = self.lean.api, self.lean.tracer, time.time_ns()
-        flags = api.TraceFlags(0x01 | (self.parent_flags & 0x02))
-        span = self.lean.ReadableSpan(
+        self.ended_at = time.time_ns()
+        self.lean.ended(self)
+
+    def readable(self) -> Any:
+        """The `ReadableSpan` the SDK's span would have handed the processors at its end."""
+        api, tracer, match = self.lean.api, self.lean.tracer, self.match
+        trace_id, parent_flags = int(match["trace"], 16), int(match["flags"], 16)
+        flags = api.TraceFlags(0x01 | (parent_flags & 0x02))
+        return self.lean.ReadableSpan(
             self.name,
-            context=api.SpanContext(self.trace_id, self.span_id, False, flags, self.state),
-            parent=api.SpanContext(self.trace_id, self.parent_id, True, api.TraceFlags(self.parent_flags), self.state),
+            context=api.SpanContext(trace_id, self.span_id, False, flags, self.state),
+            parent=api.SpanContext(trace_id, int(match["span"], 16), True, api.TraceFlags(parent_flags), self.state),
             resource=tracer.resource,
             attributes=self.attributes,
-            kind=self.kind,
+            kind=api.INTERNAL if self.kind is None else self.kind,
             instrumentation_info=tracer.instrumentation_info,
             instrumentation_scope=tracer._instrumentation_scope,
             start_time=self.start,
-            end_time=ended,
+            end_time=self.ended_at,
             **({"status": self.status} if self.status is not None else {}),
         )
-        self.lean.processor.on_end(span)
 
 
 def _lean_for(match: re.Match[str] | None) -> _Lean | None:
     """The `_Lean` recipe for a span continuing this `traceparent`, when it makes the SDK's span:
-    a sampled, valid version-00 parent, and processors that ignore a span's start."""
-    if match is None or match["version"] != "00" or not int(match["flags"], 16) & 0x01:
+    a sampled, valid version-00 parent, and processors that ignore a span's start. Such a parent
+    is recorded wherever a recipe exists (`_records`)."""
+    if match is None or match["version"] != "00" or match["flags"][1] not in _ODD:
         return None
-    if match["trace"] == "0" * 32 or match["span"] == "0" * 16:
+    if match["trace"] == _NO_TRACE or match["span"] == _NO_SPAN:
         return None
-    lean = _provided()[3]
+    cached = _state["tracer"]
+    # Under `setup`'s provider (installed once for good) the recipe never changes.
+    lean = cached[3] if _state["on"] and cached is not None else _provided()[3]
     return lean if lean is not None and lean.fits() else None
+
+
+_ODD, _NO_TRACE, _NO_SPAN = frozenset("13579bdf"), "0" * 32, "0" * 16
 
 
 class Attempt:
@@ -587,16 +687,16 @@ class Attempt:
             self.carrier: dict[str, str] = {}
             return
         _remember_id(job.workflow, match["trace"])
-        if not active() or not _records(match):
-            self.carrier = dict(job.trace or {})
-            return
+        lean = _lean_for(match)
         name = f"saga compensation {job.operation_id}"
         attributes = {"saga.workflow": job.workflow, "saga.step": job.step, "saga.server": job.server}
-        lean = _lean_for(match)
         if lean is not None:
-            state = (job.trace or {}).get("tracestate")
+            state = job.trace.get("tracestate") if job.trace else None
             self.span = _LeanSpan(lean, name, match, state, attributes, kind=lean.api.CLIENT)
             self.carrier = self.span.carrier
+            return
+        if not active() or not _records(match):
+            self.carrier = dict(job.trace or {})
             return
         self.span = _provided()[1].start_span(
             name,

@@ -218,3 +218,66 @@ def test_the_transition_span_made_without_the_sdk_span_exports_as_the_sdk_span(t
     assert lean["attributes"] == {
         "saga.workflow": "wf", "saga.status.from": "running", "saga.status.to": "failed", "saga.jobs": 1,
     }  # fmt: skip
+
+
+HAND_OVER = """
+import json, os, time
+from mcp_saga.runtime import tracing
+from mcp_saga.schemas.records import CompensationJob
+from opentelemetry import trace
+from opentelemetry.sdk.trace import SpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+assert tracing.setup("worker")
+job = CompensationJob(workflow="wf", step="s1", server="svc", tool="do", operation_id="undo", arguments={},
+                      idempotency_key="k", dispatch=1, trace={"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"})
+ends = []
+class Ends(SpanProcessor):
+    def on_end(self, span):
+        ends.append(span.name)
+trace.get_tracer_provider().add_span_processor(Ends())
+out = {}
+def attempts(n):
+    for _ in range(n):
+        with tracing.attempt(job):
+            pass
+attempts(tracing.HAND_OVER_AT - 1)
+out["before_the_batch"] = len(ends)
+attempts(1)
+out["at_the_batch"] = len(ends)
+attempts(3)
+out["held"] = len(ends)
+time.sleep(tracing.HAND_OVER_AFTER * 2)  # the quiet process's last spans: handed over all the same
+out["after_a_wait"] = len(ends)
+attempts(1)
+pid = os.fork()
+if pid == 0:  # a child (RQ's scheduler, say) must not hand its parent's held spans over again
+    trace.get_tracer_provider().force_flush()
+    os._exit(7 if ends[-1:] == ["child"] or len(ends) != out["after_a_wait"] else 0)
+out["child"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+trace.get_tracer_provider().force_flush()
+out["flushed"] = len(ends)
+memory = InMemorySpanExporter()
+trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(memory))
+attempts(1)  # a processor that exports as each span ends: nothing is held back from it
+out["simple"] = [len(memory.get_finished_spans()), len(ends)]
+os._exit(print(json.dumps(out), flush=True) or 0)  # no shutdown: what was exported came without one
+"""
+
+
+def test_ended_attempt_spans_reach_the_processors_in_batches_and_none_waits_long(tmp_path: Path) -> None:
+    """The worker's attempt spans are handed to the processors `HAND_OVER_AT` at a time (runtime/tracing.py
+    `_Lean`), but never held past `HAND_OVER_AFTER`, a flush, a fork, or a processor that exports at once."""
+    from mcp_saga.runtime.tracing import HAND_OVER_AT
+
+    out, spans = _script_spans(HAND_OVER, tmp_path)
+    assert out["before_the_batch"] == 0
+    assert out["at_the_batch"] == HAND_OVER_AT
+    assert out["held"] == HAND_OVER_AT
+    assert out["after_a_wait"] == HAND_OVER_AT + 3
+    assert out["child"] == 0
+    assert out["flushed"] == HAND_OVER_AT + 4
+    assert out["simple"] == [1, HAND_OVER_AT + 5]
+    # The batch processor exported every one of them (the flush), none twice (the child's flush).
+    assert len([s for s in spans if s["name"] == "saga compensation undo"]) in (HAND_OVER_AT + 4, HAND_OVER_AT + 5)
