@@ -202,3 +202,36 @@ def test_a_bad_metrics_port_is_a_clear_error(capsys: pytest.CaptureFixture[str])
 
     assert main(["coordinator", "--redis", "redis://127.0.0.1:1/0", "--metrics-port", "70000"]) == 2
     assert "--metrics-port 70000: a port is 1-65535" in capsys.readouterr().err
+
+
+def test_held_reports_count_by_the_batch_and_before_any_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's reports are counted `HOLD_REPORTS` at a time (runtime/metrics.py `reported`), and
+    whatever reads the registry (a scrape's exposition, `get_sample_value`) sees every one of them."""
+    from mcp_saga.schemas.events import CompensationSucceeded
+    from prometheus_client import generate_latest
+
+    monkeypatch.setattr(metrics, "_report_series", {})
+    report = CompensationSucceeded(
+        step="s", dispatch=1, idempotency_key="k", arguments_digest="d", worker="w", attempt=1, final=True,
+        server="held-a", operation_id="undo", duration_ms=5.0, result={},
+    )  # fmt: skip
+    child = metrics.OUTCOMES.labels("held-a", "undo", "succeeded")
+
+    def counted() -> float:  # the series itself, read without collecting the registry
+        return child._value.get()
+
+    generate_latest(REGISTRY)
+    start = counted()
+    for _ in range(metrics.HOLD_REPORTS - 1):
+        metrics.reported(report)
+    assert counted() == start  # held
+    metrics.reported(report)
+    assert counted() == start + metrics.HOLD_REPORTS  # the batch, counted together
+    metrics.reported(report)
+    assert counted() == start + metrics.HOLD_REPORTS
+    series = 'saga_compensation_attempts_total{operation="undo",outcome="succeeded",server="held-a"}'
+    line = f"{series} {start + metrics.HOLD_REPORTS + 1}"
+    assert line in generate_latest(REGISTRY).decode()  # a scrape counts what is held first
+    metrics.reported(report)
+    labels = {"server": "held-a", "operation": "undo", "outcome": "succeeded"}
+    assert REGISTRY.get_sample_value("saga_compensation_attempts_total", labels) == start + metrics.HOLD_REPORTS + 2
