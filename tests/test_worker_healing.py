@@ -182,3 +182,30 @@ def test_a_retry_whose_status_write_is_refused_is_waited_out_and_keeps_its_budge
     job.refresh()
     assert job.get_status() == JobStatus.SCHEDULED and job.retries_left == 1
     assert job.id in queue.scheduled_job_registry
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_stops_reading_rqs_command_channel_at_once(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RQ's command channel thread polls every 60 s, and redis-py (8.2 on) waits for its poll when it
+    stops, so every teardown of a worker (and of each slot) took a minute; ours polls every PUBSUB_POLL.
+
+    The minute is lost when the thread reads the UNSUBSCRIBE's reply before RQ asks it to stop (it
+    then waits for a subscription): a busy worker's case, made certain here by a stop that comes late."""
+    from mcp_saga.workers.healing import PUBSUB_POLL, HealingWorker
+    from redis.client import PubSubWorkerThread
+
+    stop = PubSubWorkerThread.stop
+    monkeypatch.setattr(PubSubWorkerThread, "stop", lambda thread, *a: time.sleep(0.5) or stop(thread, *a))
+    client = redis.Redis.from_url(redis_url)
+    worker = HealingWorker([Queue("pubsub-test", connection=client)], connection=client, name="pubsub-test")
+    worker.subscribe()
+    try:
+        wait_for(lambda: client.pubsub_numsub(worker.pubsub_channel_name)[0][1] == 1, 10, "the subscription")
+    finally:
+        started = time.monotonic()
+        worker.unsubscribe()
+        took = time.monotonic() - started
+    assert not worker.pubsub_thread.is_alive()
+    assert client.pubsub_numsub(worker.pubsub_channel_name)[0][1] == 0
+    assert took < 10 * PUBSUB_POLL + 5, f"stopping the channel's thread took {took:.1f} s"
+    client.close()

@@ -55,6 +55,8 @@ _refused = RateLimitedLog(log)
 # Seconds between a waiting worker's looks for a live scheduler (a lock is one SET NX; the lock of
 # a scheduler that died without releasing it expires `interval + 60` seconds after its last beat).
 SCHEDULER_CHECK_EVERY = 5
+# Seconds between two polls of the thread that reads RQ's command channel: how long a stop waits for it.
+PUBSUB_POLL = 0.2
 
 
 def wait_out(call: Callable[[], T], stopping: Callable[[], bool], *, idle: bool) -> T:
@@ -207,6 +209,19 @@ class HealingWorker(LeanWorker):
             super().register_death()
         except RedisError as exc:
             log.warning("worker stopped without unregistering", worker=self.name, error=str(exc)[:200])
+
+    def subscribe(self) -> None:
+        """RQ's command channel (`rq` stop-job, shutdown), its thread polling every PUBSUB_POLL seconds.
+
+        RQ 3.0 polls every 60 s, and since redis-py 8.2 stopping that thread waits for its poll to
+        end: after RQ's UNSUBSCRIBE the poll waits for a subscription that never comes, so every
+        worker's (and every slot's) teardown took a minute."""
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=PUBSUB_POLL, daemon=True, exception_handler=self._pubsub_exception_handler
+        )
 
     def check_for_suspension(self, burst: bool) -> None:
         parent = super().check_for_suspension  # it writes a heartbeat in the same MULTI as its read
