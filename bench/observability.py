@@ -28,7 +28,11 @@ work shares the cores).
     mode is the mean over its `--turns` turns (`--worker-rounds` rounds, two turns of warm-up left
     out): its CPU per compensation, measured inside it, and compensations/s. Separate processes
     per mode drifted apart as far as the effect.
-Target: on / off <= 1/0.95 for CPU, >= 0.95 for rates. `--parts` runs some of the parts only.
+Target (issue 17: "at most 5% of ingest and of worker throughput"): on / off <= 1/0.95 for CPU,
+>= 0.95 for rates, in (a) and (c). The rows of (b) have no target: they are the same instrumentation
+as (c)'s, measured where little else runs (no RQ), to see what it is made of; against an attempt
+without RQ's half of a job, the same microseconds are a share twice as large as the one a worker
+pays. `--parts` runs some of the parts only.
 """
 
 from __future__ import annotations
@@ -534,19 +538,18 @@ def attempt_cpu_rows(url: str, jobs: int, rounds: int) -> list[Row]:
     shares = [own / base for own, base in zip(runs["hooks"], runs["off"], strict=True)]
     share = statistics.median(shares)
     q1, _, q3 = statistics.quantiles(shares, n=4)
-    limit = f"<= {1 / TARGET:.2f}"
-    return [
+    return [  # diagnostics, no target: see the module's docstring
         base_row("worker attempt CPU, instrumentation off (us)", runs, "off"),
         compared("worker attempt CPU, off again: the noise (us)", runs, "again", "off", ""),
-        compared("worker attempt CPU, metrics + tracing on (us)", runs, "on", "off", limit),
+        compared("worker attempt CPU, metrics + tracing on (us)", runs, "on", "off", ""),
         difference("worker attempt CPU, on minus off (us)", runs, "on", "off"),
-        compared("worker attempt CPU, on, 1 workflow in 10 traced (us)", runs, "tenth", "off", limit),
+        compared("worker attempt CPU, on, 1 workflow in 10 traced (us)", runs, "tenth", "off", ""),
         Row(
             "worker attempt, the hooks' own CPU (us; share of one)",
             statistics.median(runs["hooks"]),
             statistics.median(runs["off"]),
-            f"<= {1 - TARGET:.2f}",
-            share <= 1 - TARGET,
+            "",
+            None,
             paired=share,
             spread=(q1, q3),
         ),
