@@ -239,7 +239,7 @@ def reported(payload: Payload) -> None:
     Held, and counted `HOLD_REPORTS` at a time or when anything collects the registry (a scrape,
     `get_sample_value`: `_HeldReports` is collected first), so that no reader ever misses one:
     amid a real attempt, the counter and two histograms (their locks, their buckets' search)
-    cost the worker's thread 10-15 us with cold caches, against 2-3 us in a loop (issue 17, Cost).
+    cost the worker's thread 20-25 us with cold caches, against 2-3 us in a loop (issue 17, Cost).
     """
     if not isinstance(payload, Report):
         return

@@ -58,7 +58,6 @@ _state: dict[str, Any] = {"on": None, "tracer": None, "quiet": frozenset()}
 
 _RECENT_MAX = 10_000
 _recent: OrderedDict[str, str] = OrderedDict()
-_recent_lock = threading.Lock()
 
 
 def remember(workflow: str, carrier: Mapping[str, str] | TraceContext | None) -> None:
@@ -151,7 +150,7 @@ def setup(component: str) -> bool:
     for exporter in _exporters():
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
-    _state.update(on=True, quiet=quiet)
+    _state.update(on=True, quiet=quiet, tracer=None)  # what `_provided` cached before is not this provider's
     return True
 
 
@@ -556,7 +555,7 @@ class _Lean:
                 processor.on_end(readable)
 
     def _watch(self) -> None:
-        """Hands the held spans over once the oldest has waited `HAND_OVER_AFTER` (a quiet process's last ones)."""
+        """Hands the held spans over once the oldest has waited `patience` (a quiet process's last ones)."""
         if not self.holds:
             return
 
