@@ -14,7 +14,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,6 +220,9 @@ def run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ru
                     f"{workflow} {status}",
                 )
             wait_for(lambda: r.xlen(K.dead_letter) == 2, SETTLE, "the dead letters")
+            # The processes export their spans in batches, every 100 ms here, and hand their own
+            # spans to the batch processor up to a fifth of that later: the last may still be on their way.
+            wait_for(_spans_settled(tmp), SETTLE, "the processes' spans to be exported")
             run.agent_spans = list(exporter.get_finished_spans())
             yield run
         finally:
@@ -227,6 +230,17 @@ def run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ru
                 stop(proc)
             r.flushdb()
             r.close()
+
+
+def _spans_settled(tmp: Path) -> Callable[[], bool]:
+    """True once the span files have not grown for half a second (five export rounds here)."""
+    sizes: list[int] = []
+
+    def settled() -> bool:
+        sizes.append(sum(path.stat().st_size for path in tmp.glob("spans-*.jsonl")))
+        return sizes[-1] > 0 and len(sizes) >= 10 and len(set(sizes[-10:])) == 1
+
+    return settled
 
 
 def _answers(url: str) -> bool:
