@@ -21,7 +21,7 @@ from typing import Any
 
 from mcp_saga.coordinator.machine import Machine, Rejected, WorkflowView
 from mcp_saga.coordinator.queue import enqueue_all, queue_for
-from mcp_saga.coordinator.store import DeadEntry, Recorded, Store, gone_item, index_item
+from mcp_saga.coordinator.store import DeadEntry, IndexItem, Recorded, Store, gone_item, index_item
 from mcp_saga.runtime import metrics, tracing
 from mcp_saga.runtime.connect import check_layout
 from mcp_saga.runtime.durability import Durability
@@ -280,7 +280,9 @@ class Coordinator:
         # Nothing read yet to plan beside this commit (a burst starts): read it ahead of the commit.
         ahead = None if following else read
         settles, self._settles = self._settles, []
-        reply, flight = self.store.record_ahead(ahead, batch.planned, batch.now, [read, *settles])
+        reply, flight = self.store.record_ahead(
+            ahead, batch.planned, batch.now, [read, *settles], self._deadlines(batch)
+        )
         try:
             try:
                 if ahead is not None:
@@ -303,7 +305,7 @@ class Coordinator:
         """A batch of an idle stream: its fast path's record, then load, commit and dispatch at once."""
         outcomes: dict[str, Recorded | None] = {}
         if batch.planned:
-            _, flight = self.store.record_ahead(None, batch.planned, batch.now)
+            _, flight = self.store.record_ahead(None, batch.planned, batch.now, deadlines=self._deadlines(batch))
             outcomes = self.store.collect(flight)
         return self._finish(batch, outcomes, defer=True)
 
@@ -326,7 +328,7 @@ class Coordinator:
         result = BatchResult()
         if batch is not None:
             self._plan_held(batch)
-            result = self._finish(batch, self.store.record_steps(batch.planned, batch.now) if batch.planned else {})
+            result = self._finish(batch, self._record(batch))
         self._settle_now()
         if unread:
             more = self.process(unread, redelivered=False)
@@ -362,7 +364,20 @@ class Coordinator:
         if not entries:
             return BatchResult()
         batch = self._prepare(entries, redelivered=redelivered)
-        return self._finish(batch, self.store.record_steps(batch.planned, batch.now) if batch.planned else {})
+        return self._finish(batch, self._record(batch))
+
+    def _record(self, batch: Batch) -> dict[str, Recorded | None]:
+        """The fast path's record of the batch, in a round trip of its own."""
+        return self.store.record_steps(batch.planned, batch.now, self._deadlines(batch)) if batch.planned else {}
+
+    def _deadlines(self, batch: Batch) -> dict[str, str]:
+        """The watchdog deadline of each workflow with an intent in the batch, at which an unsettled
+        one makes it abandoned (Machine.idle_due): the watchdog's look then finds it settled, or
+        fails the workflow."""
+        if not batch.announced:
+            return {}
+        idle = f"{batch.now + self.config.coordinator.in_doubt_after:.6f}"
+        return dict.fromkeys(batch.announced, idle)
 
     def _prepare(self, entries: list[Entry], *, redelivered: bool, held: frozenset[str] = frozenset()) -> Batch:
         """Decode the batch and plan its fast path: pure, no I/O (it runs while Redis works on the last one).
@@ -390,7 +405,7 @@ class Coordinator:
         """
         entries, redelivered, now, groups, dead = batch.entries, batch.redelivered, batch.now, batch.groups, batch.dead
         result = BatchResult(events=len(entries))
-        traces, announced = batch.traces, batch.announced
+        traces = batch.traces
         fresh = self._take_recorded(batch, outcomes)
         carried: dict[str, bool] = {}
         committed, contended, conflicts = self._fold(groups, now, dead, carried, traces)
@@ -403,13 +418,14 @@ class Coordinator:
         # The indexes say what the committed states say: re-derived for every workflow this batch
         # touched (so a redelivery repairs what a crash after the commit left undone), and for the
         # fast path's workflows when they were created or the entries are redelivered.
-        items = [index_item(v, self.machine.next_deadline(v) if v.full else None, v.full) for v in committed]
-        # A workflow with an intent recorded here gets the deadline at which an unsettled one makes it
-        # abandoned (Machine.idle_due); the watchdog's look then finds it settled, or fails the workflow.
-        idle = f"{now + self.config.coordinator.in_doubt_after:.6f}"
+        items = [self._index_item(v) for v in committed if not v.indexed]
+        # A workflow the fast path created or gave an intent's deadline to: on one Redis its script
+        # indexed it already (Store.record_steps).
+        deadlines = self._deadlines(batch)
         for w, rec in fresh.items():
-            if rec.created or redelivered or w in announced:
-                deadline = idle if w in announced else ""
+            indexed = rec.created or w in deadlines
+            if (indexed and not self.store.indexes_in_commit) or redelivered:
+                deadline = deadlines.get(w, "")
                 items.append((w, f"{rec.created_at:.6f}", rec.version, "running", f"{rec.created_at:.6f}", deadline))
         # A workflow none of whose events could be folded has no state (it expired, say, before a
         # report or a step held by a dead or paused coordinator was claimed): the indexes must not
@@ -497,9 +513,10 @@ class Coordinator:
                         rejected[workflow].append((event.id.encode(), fields, str(exc)))
             spans = tracing.begin_transitions([v for v in views.values() if v.state.version], traces, now)
             dirty = [v for v in views.values() if v.dirty]
+            items = [self._index_item(v) for v in dirty] if self.store.indexes_in_commit else None
             lost = {
                 v.workflow
-                for v, ok in zip(dirty, self.store.commit(dirty, carried) if dirty else [], strict=True)
+                for v, ok in zip(dirty, self.store.commit(dirty, carried, items) if dirty else [], strict=True)
                 if not ok
             }
             conflicts += len(lost)
@@ -515,6 +532,10 @@ class Coordinator:
         if pending:
             log.error("gave up on contended workflows this batch", workflows=sorted(pending))
         return committed, pending, conflicts
+
+    def _index_item(self, view: WorkflowView) -> IndexItem:
+        """What the indexes must say of a folded view (its deadline only where every record is known)."""
+        return index_item(view, self.machine.next_deadline(view) if view.full else None, view.full)
 
     def _plan_fresh(self, groups: Groups, now: float, held: frozenset[str]) -> Planned:
         """The common case without a read: steps of running workflows, recorded by one script.
@@ -639,12 +660,13 @@ class Coordinator:
                 log.info("barrier held: an entry of the workflow is still pending", workflow=view.workflow)
         dirty = [v for v in live if v.dirty]
         carried: dict[str, bool] = {}
-        oks = self.store.commit(dirty, carried) if dirty else []
+        items = [self._index_item(v) for v in dirty] if self.store.indexes_in_commit else None
+        oks = self.store.commit(dirty, carried, items) if dirty else []
         lost = {v.workflow for v, ok in zip(dirty, oks, strict=True) if not ok}
         committed = [v for v in live if v.workflow not in lost]
         metrics.transitions(committed)
         self._dispatch(committed, ensure=False, carried=carried)
-        items = [index_item(v, self.machine.next_deadline(v), True) for v in committed]
+        items = [self._index_item(v) for v in committed if not v.indexed]
         self.store.follow_up(items + gone, committed, [])
         self.store.settle(committed, [])
         return len(committed)

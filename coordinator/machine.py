@@ -88,6 +88,8 @@ class WorkflowView:
     # Outcomes committed into the workflow's outbox and not yet written to `saga:outcomes` (JSON
     # items; the store fills and empties this, the machine never reads it).
     outbox: list[bytes | str] = field(default_factory=list)
+    # Whether its commit wrote its index item and outcomes too (one Redis: Store.commit's `items`).
+    indexed: bool = False
     loaded_version: int = 0
     loaded_status: str | None = None
     # Bumped by every recorded change, so a transition can tell whether an event changed anything.

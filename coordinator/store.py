@@ -10,7 +10,7 @@ when all of that was accepted does one more empty the outboxes and acknowledge t
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from typing import Any, NamedTuple
 
@@ -24,20 +24,21 @@ from mcp_saga.runtime.reader import decode_records
 from mcp_saga.schemas.config import CoordinatorSettings, WorkerSettings
 from mcp_saga.schemas.keys import STATUSES, Keys, key_slot
 from mcp_saga.schemas.records import Compensation, CompensationJob, comp_decoder, comp_encoder, state_from_hash
-from mcp_saga.schemas.timeline import DeadLetter, TimelineEntry
+from mcp_saga.schemas.timeline import DeadLetter, FlatEntry, Outcome, TimelineEntry
 from redis import Redis
 from redis.connection import Connection
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 from rq import Queue
 from rq.job import Job
 
 LOG_MAXLEN = 10_000
-# Workflows whose keys `Store._packed_record` keeps packed (cleared when full: a cache, not a fact).
+# Workflows whose keys and id `Store._packed_record` keeps packed (cleared when full: a cache, not a fact).
 PACKED_KEYS_CACHE = 20_000
 # A step's three arguments to record_steps.lua (id, record, raw step) as bulk strings, in one format.
 STEP_BULKS = b"$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
-# A workflow's arguments with one step and no timeline entry: expected count, 1, 0, then the step.
-ONE_STEP_BULKS = b"$%d\r\n%s\r\n$1\r\n1\r\n$1\r\n0\r\n" + STEP_BULKS
+# A workflow's arguments with one step, no timeline entry and no deadline: expected count, 1, 0, then
+# its id (packed already) and an empty deadline, then the step.
+ONE_STEP_BULKS = b"$%d\r\n%s\r\n$1\r\n1\r\n$1\r\n0\r\n%s$0\r\n\r\n" + STEP_BULKS
 # record_steps.lua leaves a running workflow's TTL alone while more than its idle TTL is left, and
 # gives it the TTL plus this fraction of it when it renews: one EXPIRE per key in that many steps.
 TTL_SLACK_PARTS = 1000
@@ -58,6 +59,7 @@ class InFlight(NamedTuple):
     now: float
     workflows: list[str]
     trail: tuple[str, ...]
+    deadlines: Mapping[str, str]
 
 
 class Recorded(NamedTuple):
@@ -80,7 +82,7 @@ def gone_item(workflow: str) -> IndexItem:
     return (workflow, "0", 0, "", "0", "-")
 
 
-def flat_entries(entries: list[TimelineEntry]) -> list[str | bytes | int]:
+def flat_entries(entries: Sequence[FlatEntry]) -> list[str | bytes | int]:
     """Timeline entries as the Lua scripts take them: per entry its field count, then name, value pairs."""
     args: list[str | bytes | int] = []
     for entry in entries:
@@ -124,8 +126,63 @@ def _bulks(values: Iterable[str | bytes | int | float]) -> bytes:
     return b"".join(out)
 
 
+# The shared Lua a script is sent with (a Redis script is one chunk): put in front of its own text.
+LUA_LIBRARIES = {name: ("index_lib.lua",) for name in ("apply.lua", "index.lua", "record_steps.lua")}
+
+
 def load_script(name: str) -> str:
-    return resources.files(__package__).joinpath("lua", name).read_text()
+    folder = resources.files(__package__).joinpath("lua")
+    return "\n".join(folder.joinpath(part).read_text() for part in (*LUA_LIBRARIES.get(name, ()), name))
+
+
+class _Write:
+    """The commands of one commit, in order. On one Redis without a WAIT to append (`Store.overlaps`)
+    they are packed by hiredis and sent on one connection: redis-py packs each argument in Python,
+    about 110 µs for the two commands of a failure's commit (its script and its carried job, some 100
+    arguments each) against 36 µs here, on the path from a failure to its compensation. Elsewhere
+    (a cluster's EVALs by slot, `wait_replicas`) they go through `Writes`.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.writes = None if store.overlaps else Writes(store.redis, store.durability)
+        self.packed: list[bytes] = []
+
+    def script(self, lua: Lua, keys: list[str] | tuple[str, ...], args: list[Any]) -> None:
+        if self.writes is None:
+            self.packed.append(pack(("EVALSHA", lua.sha, len(keys), *keys, *args)))
+        else:
+            lua.queue(self.writes.pipe(keys[0]), keys, args)
+
+    def command(self, key: str, *args: Any) -> None:
+        if self.writes is None:
+            self.packed.append(pack(args))
+        else:
+            self.writes.pipe(key).execute_command(*args)
+
+    def execute(self, what: str) -> list[Any]:
+        """The replies in order; an error reply raises (the first), after every reply was read."""
+        if self.writes is not None:
+            return self.writes.execute(what)
+        pool = self.store.redis.connection_pool
+        connection = pool.get_connection()
+        replies: list[Any] = []
+        try:
+            connection.send_packed_command(self.packed)
+            for _ in self.packed:
+                try:
+                    replies.append(connection.read_response())
+                except ResponseError as exc:  # read, the connection stays in step: the rest follow
+                    replies.append(exc)
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
+        return replies
 
 
 class Store:
@@ -158,7 +215,7 @@ class Store:
         # A commit carries its due jobs where one pipeline reaches both (one Redis holds the records
         # and the queue) and nothing must be confirmed between them (no WAIT for replicas first).
         self.carries = worker is not None and not self.cluster and durability is None and self.queue.connection is redis
-        self._packed_keys: dict[str, bytes] = {}
+        self._packed_keys: dict[str, tuple[bytes, bytes]] = {}  # workflow -> its keys, its id
         self._loaded = False  # whether this Store put its scripts in the cache (commit's digest needs it)
 
     def load(self, wanted: dict[str, tuple[bool, Iterable[str]]]) -> dict[str, WorkflowView]:
@@ -195,8 +252,26 @@ class Store:
             "needs-attention": s.retention_attention,
         }.get(status, s.idle_ttl)
 
-    def commit(self, views: list[WorkflowView], carried: dict[str, bool] | None = None) -> list[bool]:
+    @property
+    def indexes_in_commit(self) -> bool:
+        """Whether a commit given its index items writes them, and its outcomes, in its own script.
+
+        On one Redis a script may touch the indexes and the outcomes stream beside the workflow's
+        keys, so the transition, its index item and its outcomes are one atomic write: no follow-up
+        round trip behind each commit, no outbox to empty after it, and no window in which a crash
+        leaves them unwritten. On a cluster they live in other slots: the outbox and the follow-up.
+        """
+        return not self.cluster
+
+    def commit(
+        self, views: list[WorkflowView], carried: dict[str, bool] | None = None, items: list[IndexItem] | None = None
+    ) -> list[bool]:
         """Apply each dirty view atomically; False where another coordinator changed it meanwhile.
+
+        `items`: each view's index item (`index_item`), in view order, written by the commit itself
+        together with the view's outcomes where `indexes_in_commit`; the caller's follow-up then
+        leaves out the views that committed. Without them, or on a cluster, the outcomes go to
+        the workflow's outbox and the caller's follow-up writes both.
 
         By digest, the script loaded before the first commit: a Redis that lost it since (restarted,
         failed over, flushed) raises NoScriptError here, and the coordinator loads the scripts again
@@ -210,16 +285,18 @@ class Store:
         """
         if not self._loaded:
             self.load_scripts()
-        writes = Writes(self.redis, self.durability)
+        writes = _Write(self)
         carry = carried is not None and self.carries
         # What each reply answers: (-1, None) the queue's registration, (n, None) view n's commit,
         # (n, job) a job carried behind it.
         sent: list[tuple[int, CompensationJob | None]] = []
         if carry and any(view.jobs for view in views):
-            writes.pipe(self.queue.key).sadd(self.queue.redis_queues_keys, self.queue.key)
+            writes.command(self.queue.key, "SADD", self.queue.redis_queues_keys, self.queue.key)
             sent.append((-1, None))
+        inline = items is not None and self.indexes_in_commit
         for n, view in enumerate(views):
             state = view.state
+            outcomes = self.outcome_entries(view) if inline else []
             args: list[str | bytes | int] = [
                 view.loaded_version,
                 self.ttl_for(state.status),
@@ -228,7 +305,10 @@ class Store:
                 len(view.changed),
                 len(view.new_steps),
                 len(view.log),
-                self.outbox_item(view),
+                "" if inline else self.outbox_item(view),
+                len(view.set_steps),
+                len(outcomes),
+                self.settings.outcomes_maxlen,
             ]
             for k, v in state_pairs.items():
                 args += (k, v)
@@ -239,8 +319,13 @@ class Store:
             args += flat_entries(view.log)
             for position, raw in view.set_steps.items():
                 args += (position, raw)
-            keys = self.keys.workflow_keys(view.workflow)
-            self._apply.queue(writes.pipe(keys[0]), keys, args)
+            keys: tuple[str, ...] | list[str] = self.keys.workflow_keys(view.workflow)
+            if inline:
+                assert items is not None
+                args += flat_entries(outcomes)
+                args += (len(STATUSES), *STATUSES, *items[n])
+                keys = [*keys, self.keys.outcomes, *self.keys.index_keys()]
+            writes.script(self._apply, keys, args)
             sent.append((n, None))
             if carry:
                 sent += ((n, job) for job in self._carry(writes, view, records))
@@ -255,11 +340,12 @@ class Store:
             if oks[n] and reply != -1:
                 carried[job.job_id] = reply == 1  # type: ignore[index]
         for view, ok in zip(views, oks, strict=True):
-            if ok and view.outcomes:
+            view.indexed = ok and inline
+            if ok and view.outcomes and not inline:
                 view.outbox.append(self.outbox_item(view))
         return oks
 
-    def _carry(self, writes: Writes, view: WorkflowView, records: dict[str, bytes]) -> list[CompensationJob]:
+    def _carry(self, writes: _Write, view: WorkflowView, records: dict[str, bytes]) -> list[CompensationJob]:
         """Queue the view's due jobs behind its script; those whose records it does not write go later."""
         assert self.worker is not None
         carried = []
@@ -270,7 +356,7 @@ class Store:
                 continue
             job_key, queue_key, *rest = unique_call(self.queue, job, self.worker)
             planned = [len(members), *(part for m in members for part in (m.step, records[m.step])), *rest]
-            self._enqueue_planned.queue(writes.pipe(comp), [comp, job_key, queue_key], planned)
+            writes.script(self._enqueue_planned, [comp, job_key, queue_key], planned)
             carried.append(job)
         return carried
 
@@ -278,25 +364,32 @@ class Store:
         """WAIT for what was written before, for a redelivered batch whose commit came earlier."""
         Writes(self.redis, self.durability).confirm("coordinator earlier commit")
 
-    def outbox_item(self, view: WorkflowView) -> bytes | str:
+    def outcome_entries(self, view: WorkflowView) -> list[Outcome]:
         """The transition's outcomes, each with an `id` that names it across re-sends."""
+        base = f"{view.workflow}/{view.state.created_at:.6f}/{view.state.version}"
+        return [msgspec.structs.replace(o, id=f"{base}/{n}") for n, o in enumerate(view.outcomes)]
+
+    def outbox_item(self, view: WorkflowView) -> bytes | str:
+        """The transition's outcomes as its outbox holds them (JSON), for the follow-up to write out."""
         if not view.outcomes:
             return ""
-        base = f"{view.workflow}/{view.state.created_at:.6f}/{view.state.version}"
-        return msgspec.json.encode(
-            [msgspec.structs.replace(o, id=f"{base}/{n}").to_fields() for n, o in enumerate(view.outcomes)]
-        )
+        return msgspec.json.encode([o.to_fields() for o in self.outcome_entries(view)])
 
-    def record_steps(self, batches: StepBatches, now: float) -> dict[str, Recorded | None]:
+    def record_steps(
+        self, batches: StepBatches, now: float, deadlines: Mapping[str, str] = {}
+    ) -> dict[str, Recorded | None]:
         """Record new steps of workflows believed running, without loading them first.
 
         workflow -> (the step count the records were numbered from, the planned steps). Returns
         what was recorded, or None where the expectation did not hold (not running, other steps
         recorded meanwhile, a step already recorded): nothing was written, and the caller folds
         those events through the compare-and-set path.
+
+        Where `indexes_in_commit`, the script also puts each workflow it creates, and each one
+        `deadlines` names (workflow -> watchdog deadline: an intent's), in the `running` index.
         """
         writes = Writes(self.redis, self.durability)
-        groups = self._record_calls(batches, now)
+        groups = self._record_calls(batches, now, deadlines)
         for _, keys, args in groups:  # each call's keys are in one slot
             self._record_steps(keys=keys, args=args, client=writes.pipe(keys[0]))
         replies = writes.execute("coordinator steps")
@@ -305,55 +398,67 @@ class Store:
             found |= _recorded(batches, workflows, reply)
         return found
 
-    def _record_calls(self, batches: StepBatches, now: float) -> list[tuple[list[str], list[str], list[Any]]]:
+    def _record_calls(
+        self, batches: StepBatches, now: float, deadlines: Mapping[str, str] = {}
+    ) -> list[tuple[list[str], list[str], list[Any]]]:
         """record_steps.lua's calls: (workflows, keys, args), one per slot (on one Redis: one for the batch)."""
         slots: dict[int, list[str]] = {}
         for workflow in batches:
             slots.setdefault(key_slot(self.keys.state(workflow)) if self.cluster else 0, []).append(workflow)
         calls = []
         for workflows in slots.values():
-            keys: list[str] = []
+            keys: list[str] = self._record_index_keys()
             args: list[Any] = self._record_head(now)
             for workflow in workflows:
                 expected, steps = batches[workflow]
                 keys += self.keys.workflow_keys(workflow)
                 entries = [entry for _, _, logged in steps for entry in logged]
-                args += (expected, len(steps), len(entries))
+                args += (expected, len(steps), len(entries), workflow, deadlines.get(workflow, ""))
                 for comp, raw, _ in steps:
                     args += (comp.step, comp_encoder.encode(comp), raw)
                 args += flat_entries(entries)
             calls.append((workflows, keys, args))
         return calls
 
+    def _record_index_keys(self) -> list[str]:
+        """The index keys record_steps.lua declares in front of the workflows' (none on a cluster)."""
+        return self.keys.index_keys() if self.indexes_in_commit else []
+
     def _record_head(self, now: float) -> list[Any]:
         ttl = self.settings.idle_ttl
-        return [f"{now:.6f}", ttl, ttl // TTL_SLACK_PARTS, LOG_MAXLEN]
+        statuses = STATUSES if self.indexes_in_commit else ()
+        return [f"{now:.6f}", ttl, ttl // TTL_SLACK_PARTS, LOG_MAXLEN, len(statuses), *statuses]
 
-    def _packed_record(self, batches: StepBatches, now: float) -> bytes:
+    def _packed_record(self, batches: StepBatches, now: float, deadlines: Mapping[str, str] = {}) -> bytes:
         """The one EVALSHA of `_record_calls` on one Redis, written in the protocol directly.
 
         The same command, byte for byte (a test holds the two together), without a list of
         arguments for redis-py to pack one by one: packing cost the coordinator more than
-        encoding the records did. Each workflow's keys are packed once and kept.
+        encoding the records did. Each workflow's keys and id are packed once and kept.
         """
-        keys: list[bytes] = []
-        args: list[bytes] = [_bulks(self._record_head(now))]
-        count = 4
+        head_keys = self._record_index_keys()
+        keys: list[bytes] = [_bulks(head_keys)]
+        head = self._record_head(now)
+        args: list[bytes] = [_bulks(head)]
+        count = len(head)
         for workflow, (expected, steps) in batches.items():
             packed = self._packed_keys.get(workflow)
             if packed is None:
                 if len(self._packed_keys) >= PACKED_KEYS_CACHE:
                     self._packed_keys.clear()
-                packed = self._packed_keys[workflow] = _bulks(self.keys.workflow_keys(workflow))
-            keys.append(packed)
+                packed = self._packed_keys[workflow] = (_bulks(self.keys.workflow_keys(workflow)), _bulks((workflow,)))
+            keys.append(packed[0])
             logged = [entry for _, _, entries in steps for entry in entries]
-            count += 3 + 3 * len(steps)
-            if len(steps) == 1 and not logged:  # the common case: the workflow's arguments in one format
+            count += 5 + 3 * len(steps)
+            deadline = deadlines.get(workflow, "")
+            if len(steps) == 1 and not logged and not deadline:  # the common case: its arguments in one format
                 comp, raw, _ = steps[0]
                 step, record, seen = comp.step.encode(), comp_encoder.encode(comp), b"%d" % expected
-                args.append(ONE_STEP_BULKS % (len(seen), seen, len(step), step, len(record), record, len(raw), raw))
+                args.append(
+                    ONE_STEP_BULKS % (len(seen), seen, packed[1], len(step), step, len(record), record, len(raw), raw)
+                )
                 continue
-            args.append(_bulks((expected, len(steps), len(logged))))
+            args.append(_bulks((expected, len(steps), len(logged))) + packed[1] + _bulks((deadline,)))
             for comp, raw, _ in steps:
                 step, record = comp.step.encode(), comp_encoder.encode(comp)
                 args.append(STEP_BULKS % (len(step), step, len(record), record, len(raw), raw))
@@ -361,9 +466,9 @@ class Store:
                 flat = flat_entries(logged)
                 args.append(_bulks(flat))
                 count += len(flat)
-        nkeys = 5 * len(keys)
-        head = _bulks(("EVALSHA", self._record_steps.sha, nkeys))
-        return b"*%d\r\n%s%s%s" % (3 + nkeys + count, head, b"".join(keys), b"".join(args))
+        nkeys = len(head_keys) + 5 * len(batches)
+        command = _bulks(("EVALSHA", self._record_steps.sha, nkeys))
+        return b"*%d\r\n%s%s%s" % (3 + nkeys + count, command, b"".join(keys), b"".join(args))
 
     @property
     def overlaps(self) -> bool:
@@ -371,7 +476,12 @@ class Store:
         return not self.cluster and self.durability is None
 
     def record_ahead(
-        self, ahead: tuple[Any, ...] | None, batches: StepBatches, now: float, trail: list[tuple[Any, ...]] = ()
+        self,
+        ahead: tuple[Any, ...] | None,
+        batches: StepBatches,
+        now: float,
+        trail: list[tuple[Any, ...]] = (),
+        deadlines: Mapping[str, str] = {},
     ) -> tuple[Any, InFlight]:
         """Send the command `ahead`, then `record_steps`' call, then the commands of `trail`, in one
         write on a connection of their own; return `ahead`'s reply as soon as it is read (None
@@ -388,7 +498,7 @@ class Store:
             # over every argument (an XACK names a hundred) and a copy into its buffers.
             packed = [] if ahead is None else [pack(ahead)]
             if batches:
-                packed.append(self._packed_record(batches, now))
+                packed.append(self._packed_record(batches, now, deadlines))
             packed += [pack(command) for command in trail]
             connection.send_packed_command(packed)
             reply = None if ahead is None else self.redis.parse_response(connection, str(ahead[0]))
@@ -396,7 +506,7 @@ class Store:
             connection.disconnect()
             pool.release(connection)
             raise
-        return reply, InFlight(connection, batches, now, list(batches), tuple(str(c[0]) for c in trail))
+        return reply, InFlight(connection, batches, now, list(batches), tuple(str(c[0]) for c in trail), deadlines)
 
     def collect(self, flight: InFlight) -> dict[str, Recorded | None]:
         """The reply of what `record_ahead` sent; a script Redis did not have is loaded and run again.
@@ -410,7 +520,7 @@ class Store:
         try:
             reply = flight.connection.read_response()
         except NoScriptError:  # a restart or SCRIPT FLUSH: the synchronous path loads it
-            outcomes = self.record_steps(flight.batches, flight.now)
+            outcomes = self.record_steps(flight.batches, flight.now, flight.deadlines)
             if not flight.trail:
                 self.redis.connection_pool.release(flight.connection)
             return outcomes

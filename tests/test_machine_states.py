@@ -246,14 +246,17 @@ class Protocol(RuleBasedStateMachine):
         self.machine.tick(view, self.now, leased, hold_barrier=pending)
         self.hands[c] = view
 
-    @rule(c=COORDINATORS)
-    def commit(self, c: str) -> None:
+    @rule(c=COORDINATORS, inline=st.booleans())
+    def commit(self, c: str, inline: bool = False) -> None:
+        """`inline`: the commit writes its index item and outcomes itself (one Redis), else it
+        leaves them to a follow-up that may come late or overtake another (a cluster's outbox)."""
         view = self.hands[c]
         self.hands[c] = None
         if view is None or not view.state.version:
             return
         before = self.reader.records(WF)
-        if view.dirty and not self.store.commit([view])[0]:
+        item = index_item(view, self.machine.next_deadline(view), True)
+        if view.dirty and not self.store.commit([view], items=[item] if inline else None)[0]:
             return  # lost the race: the entries would be redelivered, and may be folded again
         for job in view.jobs:
             self.jobs.append(job)
@@ -266,8 +269,10 @@ class Protocol(RuleBasedStateMachine):
         for comp in sorted(view.comps.values(), key=lambda c: c.updated_at):
             if comp.status == "succeeded" and not comp.late and old.get(comp.step, comp).status != "succeeded":
                 self.succeeded.append((comp.event_id, comp.step))
-        item = index_item(view, self.machine.next_deadline(view), True)
-        self.outbound[c].append(([item], [view]))
+        if not view.indexed:
+            self.outbound[c].append(([item], [view]))
+        elif view.outbox:  # an outbox the view loaded (a crashed follow-up's): still written out after
+            self.outbound[c].append(([], [view]))
 
     @precondition(lambda self: any(self.outbound.values()))
     @rule(c=COORDINATORS, late=st.booleans())

@@ -5,12 +5,19 @@ from __future__ import annotations
 import time
 
 import redis
+from mcp_saga.coordinator import store as store_module
 from mcp_saga.coordinator.consumer import Coordinator
 from mcp_saga.coordinator.machine import Machine, WorkflowView
 from mcp_saga.coordinator.store import Store, _read_entries
 from mcp_saga.runtime.pipelined import pack
 from mcp_saga.schemas.config import parse_config
-from mcp_saga.schemas.events import StepCompleted, StepStarted
+from mcp_saga.schemas.events import (
+    CompensationSucceeded,
+    StepCompleted,
+    StepStarted,
+    WorkflowFailed,
+    entry_fields,
+)
 from mcp_saga.schemas.records import forward_key, state_from_hash
 from redis.connection import Connection
 
@@ -46,11 +53,13 @@ def test_the_hand_packed_record_is_the_command_redis_py_would_send(r: redis.Redi
         "ordér-3": planned("ordér-3", ["plain-e"]),
     }
     now = 1_700_000_000.25
-    ((workflows, keys, args),) = store._record_calls(batches, now)
+    deadlines = {"order-1": "1700000060.250000"}  # an intent's watchdog deadline: out of the one-step format
+    ((workflows, keys, args),) = store._record_calls(batches, now, deadlines)
     assert workflows == list(batches)
+    assert keys[: len(CONFIG.keys().index_keys())] == CONFIG.keys().index_keys()  # one Redis: indexed here
     expected = b"".join(Connection().pack_command("EVALSHA", store._record_steps.sha, len(keys), *keys, *args))
-    assert store._packed_record(batches, now) == expected
-    assert store._packed_record(batches, now) == expected  # and again, from the packed keys it kept
+    assert store._packed_record(batches, now, deadlines) == expected
+    assert store._packed_record(batches, now, deadlines) == expected  # and again, from the packed keys it kept
 
 
 def test_the_read_and_trail_record_ahead_packs_are_the_commands_redis_py_would_send(r: redis.Redis) -> None:
@@ -107,3 +116,34 @@ def test_raw_stream_replies_read_as_redis_py_parses_them(r: redis.Redis) -> None
         assert _read_entries(raw("a", ">")) == r.xreadgroup("b", "me", {"s": ">"}, count=10) == []
     finally:
         r.connection_pool.release(connection)
+
+
+def test_a_commit_packed_by_hiredis_is_what_redis_py_would_send(r: redis.Redis, monkeypatch) -> None:
+    """On one Redis the commit's commands (a failure's script with its index item, the job it carries;
+    the reports' script with its outcomes) are packed by hiredis: byte for byte redis-py's packing,
+    which encodes floats and ints its own way."""
+    sent: list[tuple] = []
+
+    def packing(args: tuple) -> bytes:
+        sent.append(args)
+        return pack(args)
+
+    monkeypatch.setattr(store_module, "pack", packing)
+    coord = Coordinator(r, CONFIG, name="packed")
+    coord.ensure_group()
+    keys = CONFIG.keys()
+    step = StepCompleted(
+        step="a", server="svc", tool="do", result={"structuredContent": {"id": "x"}}, recovery=RECOVERY
+    )
+    r.xadd(keys.events, entry_fields("wf-p", step))
+    r.xadd(keys.events, entry_fields("wf-p", WorkflowFailed(reason="ünïcode 1.5")))
+    coord.process(coord._read(">"), redelivered=False)
+    r.xadd(keys.events, entry_fields("wf-p", CompensationSucceeded(step="a", dispatch=1)))
+    coord.process(coord._read(">"), redelivered=False)
+    scripts = [args for args in sent if args[0] == "EVALSHA"]
+    assert len(scripts) >= 3, sent  # the failure's commit, the job it carried, the reports' commit
+    for args in sent:
+        assert pack(args) == b"".join(Connection().pack_command(*args)), args
+    assert state_from_hash(r.hgetall(keys.state("wf-p"))).status == "compensated"
+    assert r.zscore(keys.index("compensated"), "wf-p") is not None  # indexed by the commit itself
+    assert [f[b"type"] for _, f in r.xrange(keys.outcomes)][-1] == b"workflow-compensated"

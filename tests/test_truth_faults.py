@@ -21,6 +21,9 @@ import pytest
 import redis
 from mcp_saga.cli.redis_server import RedisServer, find_redis_server
 from mcp_saga.coordinator.consumer import Coordinator
+from mcp_saga.coordinator.store import Store
+from mcp_saga.runtime import failpoints
+from mcp_saga.runtime.failpoints import FailPointError
 from mcp_saga.runtime.reader import Reader
 from mcp_saga.schemas.config import Config, dump_config, parse_config
 from mcp_saga.schemas.events import CompensationSucceeded, StepCompleted, WorkflowFailed, entry_fields
@@ -155,10 +158,13 @@ def test_a_slow_server_ends_needs_attention_with_at_most_attempts_calls(
 def test_sigkill_between_commit_and_follow_up_keeps_index_and_outcome(
     r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
-    """The crashed batch's index entry and outcome are written when its entries are claimed again.
+    """A crash right after the commit loses neither the index entry nor the outcome, and doubles neither.
 
-    Before the fix the follow-up (index, outcomes) ran only for a batch that changed something,
-    and a redelivered batch folds to no change: the workflow stayed out of every index for good.
+    On one Redis the commit's own script writes them (Store.indexes_in_commit), so they are there
+    the moment the commit is; the heir, which folds the claimed entries to no change, must neither
+    drop nor repeat them. (On a cluster they follow from the outbox: before that fix the follow-up
+    ran only for a batch that changed something, and a redelivered batch folds to no change, so
+    the workflow stayed out of every index for good; tests/test_cluster.py covers that path.)
     """
     bad = {"strategy": "compensation"}  # no compensating operation: the step is unrecoverable
     publish(r, "crash-1", step("a", recovery=bad), WorkflowFailed(reason="boom"))
@@ -174,8 +180,8 @@ def test_sigkill_between_commit_and_follow_up_keeps_index_and_outcome(
         log=tmp_path / "doomed.log",
     )
     assert crashing.wait(30) == 70
-    assert status(r, "crash-1") == "needs-attention"  # committed ...
-    assert indexed(r, "crash-1") == [] and r.xlen(K.outcomes) == 0  # ... and nothing after it
+    assert status(r, "crash-1") == "needs-attention"  # committed, and with it ...
+    assert indexed(r, "crash-1") == ["needs-attention"] and r.xlen(K.outcomes) == 1  # ... its index and outcome
     healthy = saga_process("coordinator", "--name", "heir", redis_url=redis_url, config=config, log=tmp_path / "h.log")
     try:
         wait_for(lambda: r.xpending(K.events, K.group)["pending"] == 0, 30, "the heir to claim and acknowledge")
@@ -186,6 +192,36 @@ def test_sigkill_between_commit_and_follow_up_keeps_index_and_outcome(
     assert [f[b"type"] for f in outcomes] == [b"workflow-needs-attention"]
     assert not r.exists(K.outbox("crash-1"))
     assert [wf for wf, _ in Reader(r, K).recent("needs-attention")] == ["crash-1"]
+
+
+def test_without_the_index_in_the_commit_a_crash_before_the_follow_up_is_repaired_from_the_outbox(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cluster's path, where the indexes and outcomes live in other slots than the workflow:
+    the commit leaves its outcomes in the workflow's outbox, and a coordinator that dies before
+    its follow-up leaves index and outcomes to whoever folds the entries again (here on one Redis,
+    with the commit told not to write them itself)."""
+    monkeypatch.setattr(Store, "indexes_in_commit", property(lambda _: False))
+    config = parse_config({"coordinator": {"block_ms": 10, "claim_idle_ms": 100}})
+    doomed = Coordinator(r, config, name="doomed")
+    doomed.ensure_group()
+    bad = {"strategy": "compensation"}
+    publish(r, "outboxed", step("a", recovery=bad), WorkflowFailed(reason="boom"))
+    failpoints.arm("coordinator.after-commit=raise")
+    try:
+        with pytest.raises(FailPointError):
+            doomed.process(doomed._read(">"), redelivered=False)
+    finally:
+        failpoints.arm("coordinator.after-commit=off")
+    assert status(r, "outboxed") == "needs-attention"
+    assert indexed(r, "outboxed") == [] and r.xlen(K.outcomes) == 0 and r.llen(K.outbox("outboxed")) == 1
+    heir = Coordinator(r, config, name="heir")
+    time.sleep(0.15)  # past claim_idle_ms
+    heir.step()
+    assert indexed(r, "outboxed") == ["needs-attention"]
+    assert [f[b"type"] for _, f in r.xrange(K.outcomes)] == [b"workflow-needs-attention"]
+    assert not r.exists(K.outbox("outboxed"))
+    assert r.xpending(K.events, K.group)["pending"] == 0
 
 
 def test_a_late_follow_up_never_moves_a_workflow_back(r: redis.Redis) -> None:
@@ -231,7 +267,10 @@ def test_a_report_claimed_after_its_workflow_expired_takes_it_out_of_every_index
     )  # fmt: skip
     assert crashing.wait(30) == 70
     wait_for(lambda: not r.exists(K.state("late-1")), 30, "the compensated workflow's retention to run out")
-    assert indexed(r, "late-1") == ["compensating"]  # the follow-up of `compensated` was never written
+    # On one Redis the commit wrote `compensated` into the index itself (on a cluster the follow-up
+    # of it was lost with the coordinator, and the index kept `compensating`): either way it names
+    # a workflow that is gone.
+    assert indexed(r, "late-1") == ["compensated"]
     heir = saga_process("coordinator", "--name", "heir", redis_url=redis_url, config=config, log=tmp_path / "h.log")
     try:
         wait_for(lambda: r.xpending(K.events, K.group)["pending"] == 0, 30, "the heir to claim and acknowledge")

@@ -12,21 +12,31 @@
 -- step is recorded, when timeline entries are written (the log may be new), and whenever less
 -- than `ttl` is left; in between it is not touched (EXPIRE is most of what a step cost here). So a
 -- workflow still expires no sooner than `ttl` after its last change, and at most `slack` later.
--- KEYS: per workflow, state, steps, comp, log, outbox (hash-tagged with the workflow id: one
---       cluster slot; the outbox is declared for a uniform key list and not written).
--- ARGV: now, ttl seconds, slack seconds, log maxlen, then per workflow in KEYS order: expected
---       step count, step count, timeline entry count, then per step its id, its compensation
---       record JSON (its seq already right) and the raw step JSON, then per timeline entry its
---       field count followed by its field/value pairs (the entries of all its steps, in order).
+-- On one Redis the status indexes are declared too, and a workflow this call creates, or one whose
+-- intent asks for a watchdog deadline, is put in the `running` index here (index_item, from
+-- index_lib.lua) instead of by a follow-up round trip; on a cluster they live in another slot.
+--
+-- KEYS: on one Redis, index.lua's keys (versions, deadlines, one index per status); then per
+--       workflow, state, steps, comp, log, outbox (hash-tagged with the workflow id: one cluster
+--       slot; the outbox is declared for a uniform key list and not written).
+-- ARGV: now, ttl seconds, slack seconds, log maxlen, #statuses (0: no index keys) and the status
+--       names in KEYS order; then per workflow in KEYS order: expected step count, step count,
+--       timeline entry count, the workflow id, its watchdog deadline ('' for none: indexed only
+--       when created), then per step its id, its compensation record JSON (its seq already right)
+--       and the raw step JSON, then per timeline entry its field count followed by its field/value
+--       pairs (the entries of all its steps, in order).
 --       Few arguments per step: each one costs Redis more than the bytes it carries.
 -- Returns a flat array, two values per workflow: the version now committed (negative when this
 -- call created the workflow) and its createdAt, what the status index reflects; or 0 and '' when
 -- the caller must take the compare-and-set path (a flat array: a table per workflow cost more).
 local now, ttl, slack, logmax = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local nstatus = tonumber(ARGV[5])
+local index = nstatus > 0 and status_indexes(3, 5) or nil
+local versions, deadlines = KEYS[1], KEYS[2]
 
 -- Where the arguments of the workflow that start at ARGV[i] end: its counts say.
 local function skip(i)
-  local j = i + 3 + 3 * tonumber(ARGV[i + 1])
+  local j = i + 5 + 3 * tonumber(ARGV[i + 1])
   for _ = 1, tonumber(ARGV[i + 2]) do
     j = j + 1 + 2 * tonumber(ARGV[j])
   end
@@ -37,12 +47,13 @@ end
 local function record(k, i)
   local state, steps, comp, log = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   local expected, count, nlog = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local wf, deadline = ARGV[i + 3], ARGV[i + 4]
   local current = redis.call('HMGET', state, 'status', 'version', 'steps', 'createdAt')
   local status = current[1]
   if (status and status ~= 'running') or (current[3] or '0') ~= expected then
     return 0, ''
   end
-  local first = i + 3
+  local first = i + 5
   local last = first + 3 * (count - 1)
   if count == 1 then  -- the common case: the check and the write in one call
     if redis.call('HSETNX', comp, ARGV[first], ARGV[first + 1]) == 0 then
@@ -79,11 +90,14 @@ local function record(k, i)
       redis.call('EXPIRE', KEYS[n], ttl + slack)
     end
   end
+  if index and (not status or deadline ~= '') then
+    index_item(versions, deadlines, index, wf, created, tostring(version), 'running', created, deadline)
+  end
   return status and version or -version, created
 end
 
-local replies, i = {}, 5
-for k = 1, #KEYS, 5 do
+local replies, i = {}, 6 + nstatus
+for k = (index and 3 + nstatus or 1), #KEYS, 5 do
   local version, created = record(k, i)
   replies[#replies + 1] = version
   replies[#replies + 1] = created
