@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import ctypes.util
 import json
+import os
+import select
 import statistics
 import tempfile
 import time
@@ -43,13 +47,30 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Arrivals:
-    """Tails the server's arrivals file: n -> arrival time."""
+    """Tails the server's arrivals file: n -> arrival time.
+
+    It waits for the file to grow with inotify, asleep, where the platform has it: the times are the
+    server's own, so how soon this process notices changes no figure, but a poll every 0.2 ms (the
+    fallback) spent a few percent of a core of the two, and only while a saga's compensations were
+    on their way (a direct call returns after its arrival is written, so nothing is polled for then):
+    a cost the sagas paid and the baseline did not.
+    """
 
     def __init__(self, path: Path) -> None:
         path.touch()
         self.file = path.open()
         self.seen: dict[int, float] = {}
         self.partial = ""
+        self.watch = _watch(path)
+
+    def _idle(self, deadline: float) -> None:
+        """Until the file was written to (or a moment passed, without inotify)."""
+        if self.watch is None:
+            time.sleep(0.0002)
+            return
+        ready, _, _ = select.select([self.watch], [], [], max(0.0, min(0.5, deadline - time.monotonic())))
+        if ready:
+            os.read(self.watch, 4096)  # the queued events: each says only "written"
 
     def wait(self, n: int, timeout: float = 30.0) -> float:
         deadline = time.monotonic() + timeout
@@ -67,8 +88,23 @@ class Arrivals:
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"compensation {n} never reached the server")
             else:
-                time.sleep(0.0002)
+                self._idle(deadline)
         return self.seen[n]
+
+
+def _watch(path: Path) -> int | None:
+    """An inotify descriptor that becomes readable when `path` is written to; None off Linux."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd < 0:
+            return None
+        if libc.inotify_add_watch(fd, os.fsencode(path), 0x00000002) < 0:  # IN_MODIFY
+            os.close(fd)
+            return None
+    except (OSError, AttributeError):
+        return None
+    return fd
 
 
 def step(n: int, name: str = "s", server: str = "trivial") -> StepCompleted:

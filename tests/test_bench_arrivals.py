@@ -6,15 +6,21 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 from processes import REPO
 
 sys.path.insert(0, str(REPO))  # `bench` is not an installed package
 from bench.latency import Arrivals
 
 
-def test_a_line_read_half_written_keeps_its_time_and_number(tmp_path: Path) -> None:
+@pytest.mark.parametrize("woken", [True, False], ids=["inotify", "polled"])
+def test_a_line_read_half_written_keeps_its_time_and_number(tmp_path: Path, woken: bool) -> None:
     path = tmp_path / "arrivals"
     arrivals = Arrivals(path)
+    if woken:
+        assert arrivals.watch is not None, "Linux has inotify: the bench must not poll there"
+    else:
+        arrivals.watch = None
     with path.open("a", buffering=1) as out:
         out.write("1764619000.123456 7\n1764619000.2")  # the second line's first page, as a reader may see it
         out.flush()
