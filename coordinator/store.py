@@ -19,7 +19,7 @@ from mcp_saga.coordinator.machine import WorkflowView
 from mcp_saga.coordinator.queue import is_due, unique_call
 from mcp_saga.runtime.connect import Lua, is_cluster
 from mcp_saga.runtime.durability import Durability, Writes
-from mcp_saga.runtime.pipelined import pack
+from mcp_saga.runtime.packing import pack
 from mcp_saga.runtime.reader import decode_records
 from mcp_saga.schemas.config import CoordinatorSettings, WorkerSettings
 from mcp_saga.schemas.keys import STATUSES, Keys, key_slot

@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 import redis.asyncio
+from mcp_saga.runtime.packing import pack_with_hiredis
 from mcp_saga.runtime.redis_checks import RedisSetupError
 from mcp_saga.runtime.sentinel import is_sentinel_url, sentinel_client, sentinel_client_async
 from mcp_saga.schemas.config import RedisSettings
@@ -63,7 +64,7 @@ def connect_queue(url: str, settings: RedisSettings, **options: Any) -> redis.Re
 def _standalone(url: str, **options: Any) -> redis.Redis:
     if is_sentinel_url(url):
         return sentinel_client(url, **options)
-    return redis.Redis.from_url(url, **options)
+    return pack_with_hiredis(redis.Redis.from_url(url, **options))
 
 
 def is_cluster(client: object) -> bool:

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
+from mcp_saga.runtime.packing import Arg, hiredis, pack
 from mcp_saga.runtime.sentinel import is_sentinel_url
 from mcp_saga.schemas.config import RedisSettings
 from redis._parsers.base import BaseParser
@@ -36,21 +37,10 @@ from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-try:
-    import hiredis
-except ImportError:  # pragma: no cover - a dependency of redis[hiredis]; without it the gateway keeps redis-py
-    hiredis = None
-
 CONNECT_TIMEOUT = 1.0
 REPLY_TIMEOUT = 5.0
 # Where a connection goes and how it is set up: host, port, Unix path, db, username, password.
 _Identity = tuple[str, int, str | None, int, str | None, str | None]
-Arg = bytes | str | int | float
-
-
-def pack(args: tuple[Arg, ...] | list[Arg]) -> bytes:
-    """One command in RESP (an array of bulk strings), packed by hiredis's C code."""
-    return hiredis.pack_command(tuple(args))  # type: ignore[no-any-return]
 
 
 def xadd_args(stream: str, fields: dict[bytes, bytes]) -> list[Arg]:

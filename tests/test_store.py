@@ -9,7 +9,7 @@ from mcp_saga.coordinator import store as store_module
 from mcp_saga.coordinator.consumer import Coordinator
 from mcp_saga.coordinator.machine import Machine, WorkflowView
 from mcp_saga.coordinator.store import Store, _read_entries
-from mcp_saga.runtime.pipelined import pack
+from mcp_saga.runtime.packing import pack
 from mcp_saga.schemas.config import parse_config
 from mcp_saga.schemas.events import (
     CompensationSucceeded,
