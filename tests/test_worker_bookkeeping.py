@@ -205,3 +205,51 @@ def test_rq_still_has_the_steps_and_names_the_trimmed_bookkeeping_overrides(r: r
     for name in ("_dependency_ids", "_success_callback_name", "_failure_callback_name", "repeats_left"):
         assert hasattr(job, name), name
     assert "is_suspended(" in inspect.getsource(SimpleWorker.check_for_suspension)
+
+
+def test_remembered_serializers_answer_as_rq_does_in_every_module_that_resolves_them() -> None:
+    """workers/bookkeeping.py `remember_serializers`: RQ's own answers, once each; what it refuses still raises.
+
+    Every RQ module that resolves a serializer is pointed at the remembering one: a module RQ adds or
+    renames leaves the list out of date, and this fails."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import rq
+    import rq.serializers
+    from mcp_saga.workers.bookkeeping import RQ_SERIALIZER_USERS, remember_serializers
+    from rq.serializers import DefaultSerializer, JSONSerializer
+
+    remember_serializers()
+    remember_serializers()  # idempotent: one layer
+    resolve = rq.serializers.resolve_serializer
+    assert getattr(resolve, "remembers", False)
+    users = set()
+    for info in pkgutil.walk_packages(rq.__path__, "rq."):
+        try:
+            source = inspect.getsource(importlib.import_module(info.name))
+        except OSError:  # an empty module
+            continue
+        if "resolve_serializer(" in source and info.name != "rq.serializers":
+            users.add(info.name)
+    assert users - {"rq.cli.workers", "rq.cron"} == set(RQ_SERIALIZER_USERS)  # the CLI and cron: not a worker's path
+    for name in RQ_SERIALIZER_USERS:
+        assert importlib.import_module(name).resolve_serializer is resolve, name
+
+    class Custom:
+        @staticmethod
+        def dumps(obj: object) -> bytes:
+            return b""
+
+        @staticmethod
+        def loads(data: bytes) -> object:
+            return None
+
+    for given, expected in [(None, DefaultSerializer), ("json", JSONSerializer), ("pickle", DefaultSerializer)]:
+        assert resolve(given) is expected and resolve(given) is expected
+    assert resolve(Custom) is Custom and resolve(Custom) is Custom
+    for bad in (object, "builtins.len"):
+        for _ in range(2):
+            with pytest.raises(NotImplementedError):
+                resolve(bad)

@@ -38,6 +38,7 @@ from mcp_saga.runtime.logs import configure, get_logger
 from mcp_saga.runtime.metrics import CountingRetry
 from mcp_saga.runtime.redis_checks import check_redis
 from mcp_saga.schemas.config import Config
+from mcp_saga.workers.bookkeeping import remember_serializers
 from mcp_saga.workers.healing import HealingWorker
 from mcp_saga.workers.job import clear_context, session_pool, set_context
 from mcp_saga.workers.watchdog import WatchdogDeathPenalty
@@ -137,6 +138,7 @@ def run_worker(
     """Work the queue until stopped (or, with `burst`, until it is empty); returns the exit status."""
     if not logging.getLogger("saga").handlers:  # `saga worker` configured them already
         configure(logging_level)
+    remember_serializers()
     # redis-py's from_url connects without retries: a Redis restart during a job then escaped RQ's
     # failure handling and ended the process. With these, a restart of a few seconds goes unnoticed.
     retry = CountingRetry("worker", ExponentialWithJitterBackoff(base=0.01, cap=1.0), 10)
