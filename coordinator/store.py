@@ -1,10 +1,12 @@
 """Reading workflow views from Redis and committing transitions: the coordinator's only I/O on state.
 
 Reads and writes are pipelined per batch of events: one round trip loads every workflow the batch
-touches, one commits every transition (a compare-and-set Lua script per workflow, which also puts
-the transition's outcomes in the workflow's own outbox), one performs the follow-ups that live
-outside the workflow's slot (indexes and deadlines by one script, outcomes, dead letters), and only
-when all of that was accepted does one more empty the outboxes and acknowledge the entries.
+touches, one commits every transition (a compare-and-set Lua script per workflow). On one Redis that
+script also writes the transition's index line and its outcomes (`Store.indexes_in_commit`); on a
+cluster, where those live in other slots, it puts the outcomes in the workflow's own outbox and one
+more round trip performs the follow-ups (indexes and deadlines by one script, outcomes). Dead
+letters, and the index lines of redelivered batches, go by that follow-up everywhere. Only when all
+of that was accepted are the outboxes emptied and the entries acknowledged.
 """
 
 from __future__ import annotations
