@@ -63,6 +63,12 @@ class Arrivals:
         self.partial = ""
         self.watch = _watch(path)
 
+    def close(self) -> None:
+        self.file.close()
+        if self.watch is not None:
+            os.close(self.watch)
+            self.watch = None
+
     def _idle(self, deadline: float) -> None:
         """Until the file was written to (or a moment passed, without inotify)."""
         if self.watch is None:
@@ -147,6 +153,7 @@ def measure(redis_url: str, workflows: int, unwinds: int) -> list[Row]:
         ]
         stack.callback(lambda: [stop(p) for p in procs])
         arrivals = Arrivals(arrivals_path)
+        stack.callback(arrivals.close)
 
         raw, raw_sequence = asyncio.run(raw_calls(url, workflows))
         base = 10_000_000
@@ -222,6 +229,7 @@ def reference(redis_url: str, workflows: int, rounds: int = 10) -> list[Row]:
         ]
         stack.callback(lambda: [stop(p) for p in procs])
         arrivals = Arrivals(arrivals_path)
+        stack.callback(arrivals.close)
         pids = {role: p.pid for role, p in zip(("coordinator", "worker"), procs, strict=True)}
         direct, system, cpu = asyncio.run(_paired_rounds(r, payments, inventory, arrivals, workflows, rounds, pids))
     ms = 1000

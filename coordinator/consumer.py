@@ -75,7 +75,9 @@ class Batch:
     groups: Groups
     dead: list[DeadEntry]
     traces: tracing.BatchTraces
-    announced: set[str] = field(default_factory=set)
+    # The watchdog deadline of each workflow with an intent in the batch, at which an unsettled one
+    # makes it abandoned (Machine.idle_due): the watchdog's look then finds it settled, or fails it.
+    deadlines: dict[str, str] = field(default_factory=dict)
     # The fast path's plans: workflow -> (the step count they are numbered from, the planned steps).
     planned: Planned = field(default_factory=dict)
     held: frozenset[str] = frozenset()
@@ -280,9 +282,7 @@ class Coordinator:
         # Nothing read yet to plan beside this commit (a burst starts): read it ahead of the commit.
         ahead = None if following else read
         settles, self._settles = self._settles, []
-        reply, flight = self.store.record_ahead(
-            ahead, batch.planned, batch.now, [read, *settles], self._deadlines(batch)
-        )
+        reply, flight = self.store.record_ahead(ahead, batch.planned, batch.now, [read, *settles], batch.deadlines)
         try:
             try:
                 if ahead is not None:
@@ -305,7 +305,7 @@ class Coordinator:
         """A batch of an idle stream: its fast path's record, then load, commit and dispatch at once."""
         outcomes: dict[str, Recorded | None] = {}
         if batch.planned:
-            _, flight = self.store.record_ahead(None, batch.planned, batch.now, deadlines=self._deadlines(batch))
+            _, flight = self.store.record_ahead(None, batch.planned, batch.now, deadlines=batch.deadlines)
             outcomes = self.store.collect(flight)
         return self._finish(batch, outcomes, defer=True)
 
@@ -368,16 +368,7 @@ class Coordinator:
 
     def _record(self, batch: Batch) -> dict[str, Recorded | None]:
         """The fast path's record of the batch, in a round trip of its own."""
-        return self.store.record_steps(batch.planned, batch.now, self._deadlines(batch)) if batch.planned else {}
-
-    def _deadlines(self, batch: Batch) -> dict[str, str]:
-        """The watchdog deadline of each workflow with an intent in the batch, at which an unsettled
-        one makes it abandoned (Machine.idle_due): the watchdog's look then finds it settled, or
-        fails the workflow."""
-        if not batch.announced:
-            return {}
-        idle = f"{batch.now + self.config.coordinator.in_doubt_after:.6f}"
-        return dict.fromkeys(batch.announced, idle)
+        return self.store.record_steps(batch.planned, batch.now, batch.deadlines) if batch.planned else {}
 
     def _prepare(self, entries: list[Entry], *, redelivered: bool, held: frozenset[str] = frozenset()) -> Batch:
         """Decode the batch and plan its fast path: pure, no I/O (it runs while Redis works on the last one).
@@ -388,7 +379,10 @@ class Coordinator:
         started, now = time.perf_counter(), time.time()
         groups, dead = self._decode(entries)
         batch = Batch(entries, redelivered, started, now, groups, dead, tracing.event_traces(groups))
-        batch.announced = {e.workflow for items in groups.values() for e, _ in items if type(e.data) is StepStarted}
+        idle = f"{now + self.config.coordinator.in_doubt_after:.6f}"
+        batch.deadlines = {
+            e.workflow: idle for items in groups.values() for e, _ in items if type(e.data) is StepStarted
+        }
         batch.held = held & groups.keys()
         batch.planned = self._plan_fresh(groups, now, batch.held)
         return batch
@@ -421,7 +415,7 @@ class Coordinator:
         items = [self._index_item(v) for v in committed if not v.indexed]
         # A workflow the fast path created or gave an intent's deadline to: on one Redis its script
         # indexed it already (Store.record_steps).
-        deadlines = self._deadlines(batch)
+        deadlines = batch.deadlines
         for w, rec in fresh.items():
             indexed = rec.created or w in deadlines
             if (indexed and not self.store.indexes_in_commit) or redelivered:

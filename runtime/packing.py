@@ -57,8 +57,7 @@ def pack_with_hiredis(client: Redis) -> Redis:
     default (UTF-8, strict) and no packer of the caller's is set; returns the client."""
     kwargs = client.connection_pool.connection_kwargs
     encoding = str(kwargs.get("encoding", "utf-8")).lower().replace("-", "").replace("_", "")
-    if hiredis is None or kwargs.get("command_packer") is not None or encoding != "utf8":
-        return client
-    if kwargs.get("encoding_errors", "strict") == "strict":
+    default = encoding == "utf8" and kwargs.get("encoding_errors", "strict") == "strict"
+    if hiredis is not None and default and kwargs.get("command_packer") is None:
         kwargs["command_packer"] = HiredisPacker()
     return client

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -17,11 +19,11 @@ from bench.latency import Arrivals
 def test_a_line_read_half_written_keeps_its_time_and_number(tmp_path: Path, woken: bool) -> None:
     path = tmp_path / "arrivals"
     arrivals = Arrivals(path)
-    if woken:
-        assert arrivals.watch is not None, "Linux has inotify: the bench must not poll there"
-    else:
+    assert arrivals.watch is not None, "Linux has inotify: the bench must not poll there"
+    if not woken:
+        os.close(arrivals.watch)
         arrivals.watch = None
-    with path.open("a", buffering=1) as out:
+    with closing(arrivals), path.open("a", buffering=1) as out:
         out.write("1764619000.123456 7\n1764619000.2")  # the second line's first page, as a reader may see it
         out.flush()
         assert arrivals.wait(7, timeout=1) == 1764619000.123456
